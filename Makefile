@@ -1,0 +1,41 @@
+# make demo   run the main job on the embedded defaults
+# make test   lint, type-check and run the tests
+# make bench  run the benchmarks (tables on stdout, JSON under out/)
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-0
+
+.PHONY: install demo test bench test-long clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[model,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/shadowradix demo
+
+test: install
+	$(BIN)/ruff check shadowradix tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/python -m pytest
+
+test-long: install
+	SHADOWRADIX_HYPOTHESIS_SCALE=20 $(BIN)/python -m pytest tests/test_tree_machine.py
+
+bench: install
+	mkdir -p out
+	$(BIN)/python benchmarks/tree_ops.py data/traces/conversation_trace.jsonl.gz \
+		--layout full+swa --window 128 --page-size 256 --capacity-tokens 2000000 \
+		--json out/tree_ops_full_swa.json
+	$(BIN)/python benchmarks/tree_ops.py data/traces/conversation_trace.jsonl.gz \
+		--layout deepseek-v4-flash --page-size 256 --capacity-tokens 2000000 \
+		--json out/tree_ops_dsv4_flash.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,5 @@
+import sys
+
+from shadowradix.cli import main
+
+sys.exit(main())

@@ -1,0 +1,155 @@
+"""Command line: `shadowradix demo` and `shadowradix simulate TRACE ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shadowradix.layout import LAYOUT_NAMES, named_layout
+from shadowradix.sim.simulate import POLICY_NAMES, bound_hit_rate, policy_choice, simulate
+from shadowradix.sim.trace import TraceError, bundled_trace, load_trace
+
+SIMULATE_HELP = """\
+Replay a Mooncake-format trace through the real ShadowRadix tree (metadata-only
+pools) under several policies at equal device bytes.
+
+Bytes per token and pool (page 256; a CHECKPOINT pool is amortised per page):
+  DeepSeek-V4-Flash bf16: swa 44032, c4 5376, c4_index 1344, c128 160, state 840
+  DeepSeek-V4-Flash fp8:  swa 25112, c4 3066, c4_index 693, c128 91.2, state 1680
+  DeepSeek-V4-Pro   bf16: swa 62464, c4 7680, c4_index 1920, c128 248, state 1200
+  DeepSeek-V4-Pro   fp8:  swa 35624, c4 4380, c4_index 990, c128 141.4, state 2400
+(fp8 is SGLang's record: 584 B per KV entry, 132 B per indexer key, float32 state.)
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shadowradix", description="KV cache for hybrid-attention "
+                                 "LLMs: ShadowRadix, HiCache, HiSparse.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="replay the bundled conversation trace (embedded defaults)")
+    demo.add_argument("--limit", type=int, default=None, help="first N requests only")
+    sim = sub.add_parser("simulate", help="capacity planning on a trace",
+                         description=SIMULATE_HELP, formatter_class=argparse.RawTextHelpFormatter)
+    sim.add_argument("trace", help="Mooncake-format JSONL (.jsonl or .jsonl.gz)")
+    sim.add_argument("--model", default="deepseek-v4-flash",
+                     help=f"{' | '.join(LAYOUT_NAMES)} | CONFIG.json")
+    sim.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 | float32 | fp8")
+    sim.add_argument("--device-gb", type=float, default=40.0)
+    sim.add_argument("--host-gb", type=float, default=0.0)
+    sim.add_argument("--storage-gb", type=float, default=0.0)
+    sim.add_argument("--page-size", type=int, default=256)
+    sim.add_argument("--checkpoint-every", type=int, default=8, metavar="K",
+                     help="pages between checkpoints for the periodic policy")
+    sim.add_argument("--window-ratio", type=float, default=0.1,
+                     help="share of pages the window pool gets (SGLang: 0.1)")
+    sim.add_argument("--chunk-pages", type=int, default=32, help="prefill chunk, in pages")
+    sim.add_argument("--policy", default=",".join(POLICY_NAMES),
+                     help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
+    sim.add_argument("--sweep", default=None, metavar="device-gb=10,20,40,80",
+                     help="run every policy at each device size")
+    sim.add_argument("--unbounded", action="store_true", help="infinite device memory")
+    sim.add_argument("--limit", type=int, default=None, help="first N requests only")
+    sim.add_argument("--json", type=Path, default=None)
+    sim.add_argument("--plot", type=Path, default=None, help="PNG of hit rate vs device GB")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        return _simulate(args)
+    except (ValueError, FileNotFoundError) as e:  # TraceError is a ValueError
+        print(f"shadowradix: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    trace = bundled_trace("conversation")
+    print(f"Replaying {trace.name} through ShadowRadix: DeepSeek-V4-Flash layout (bf16, "
+          "page 256), 40 GB of device pools, every policy at equal bytes.")
+    return _simulate(argparse.Namespace(
+        trace=trace, model="deepseek-v4-flash", kv_dtype="bfloat16", device_gb=40.0,
+        host_gb=0.0, storage_gb=0.0, page_size=256, checkpoint_every=8, window_ratio=0.1,
+        chunk_pages=32, policy=",".join(POLICY_NAMES), sweep=None, unbounded=False,
+        limit=args.limit, json=None, plot=None))
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # logs and CI: keep the table on one line per row
+    layout = named_layout(args.model, args.page_size, args.kv_dtype)
+    requests = load_trace(args.trace, args.limit)
+    if not requests:
+        raise TraceError(f"{args.trace}: no requests")
+    if args.host_gb or args.storage_gb:
+        console.print("[yellow]note:[/] host and storage tiers are not simulated yet "
+                      "(HiCache issue); results are for the device tier alone.")
+    choices = [policy_choice(n.strip(), args.checkpoint_every, args.window_ratio)
+               for n in args.policy.split(",") if n.strip()]
+    sizes: list[float | None] = [None] if args.unbounded else [args.device_gb]
+    if args.sweep:
+        key, _, values = args.sweep.partition("=")
+        if key != "device-gb" or not values:
+            raise ValueError(f"--sweep takes device-gb=G1,G2,...; got {args.sweep!r}")
+        sizes = [float(v) for v in values.split(",")]
+    bound = bound_hit_rate(requests, layout.page_size)
+    runs: list[dict[str, Any]] = []
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as progress:
+        for size in sizes:
+            for choice in choices:
+                label = f"{choice.name} @ {'unbounded' if size is None else f'{size:g} GB'}"
+                task = progress.add_task(label, total=len(requests))
+
+                def tick(i: int, task: Any = task) -> None:
+                    if i % 200 == 199:
+                        progress.update(task, completed=i + 1)
+
+                runs.append(simulate(requests, layout, choice, size, chunk_pages=args.chunk_pages,
+                                     on_request=tick, bound=bound))
+                progress.remove_task(task)
+    _print_runs(console, runs, layout.name, len(requests), bound)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(runs if len(runs) > 1 else runs[0], indent=2))
+    if args.plot:
+        from shadowradix.sim.plot import plot_sweep
+
+        plot_sweep(runs, args.plot, title=f"{layout.name} on {Path(str(args.trace)).name}")
+    return 0
+
+
+def _print_runs(console: Any, runs: list[dict[str, Any]], layout: str, n: int,
+                bound: float) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{layout}: {n:,} requests, infinite-cache bound {bound:.1%}")
+    for col in ("policy", "GB", "cache tok", "window tok", "hit rate", "of bound",
+                "prefilled tok", "s"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in runs:
+        pages = r["pool_pages"]
+        window = pages.get("swa", max(pages.values()))
+        table.add_row(
+            r["policy"], "inf" if r["device_gb"] is None else f"{r['device_gb']:g}",
+            _short(max(pages.values()) * r["page_size"]), _short(window * r["page_size"]),
+            f"{r['hit_rate']:.2%}", f"{r['share_of_bound']:.0%}", _short(r["computed_tokens"]),
+            f"{r['seconds']:.1f}")
+    console.print(table)
+
+
+def _short(n: int) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Replay a trace through a PrefixCache: match, lock, allocate, insert, unlock.
+
+The same loop serves the tree benchmark, the demo and the simulator, so the
+numbers they print come from one piece of code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shadowradix.layout.spec import Retention
+from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
+from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tree.results import LockHandle
+
+
+@dataclass
+class ReplayStats:
+    requests: int = 0
+    refused: int = 0  # did not fit in the pools even after evicting everything unlocked
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logical_tokens: int = 0  # deepest logical hits (an upper bound for the tiers)
+    inserted_pages: int = 0
+    prompt_pages: int = 0
+    match_s: float = 0.0
+    alloc_s: float = 0.0
+    insert_s: float = 0.0
+    wall_s: float = 0.0
+    peak_pages: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens that had to be prefilled."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output: bool = False,
+           chunk_pages: int | None = None, check_every: int = 0,
+           on_request: Callable[[int], None] | None = None) -> ReplayStats:
+    """Drive `cache` with `requests` in order; returns counters and timings.
+
+    with_output: insert prompt + `output_length` synthetic output tokens (a
+        conversation's next turn could resume there), not just the prompt.
+    chunk_pages: prefill in chunks of this many pages, inserting the prefix
+        after each chunk as a running engine does, so the pages that left the
+        window become evictable cache (or are freed at once, by an eager
+        policy) while the request runs. None: one step per request.
+    check_every: run `cache.check_integrity` every N requests (0: never).
+    """
+    if chunk_pages is not None and chunk_pages < 1:
+        raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+    st = ReplayStats(peak_pages={n: 0 for n in cache.layout.pool_names})
+    next_output = OUTPUT_TOKEN_BASE
+    t_start = time.perf_counter()
+    buffer = np.empty(0, dtype=np.int32)
+    for i, req in enumerate(requests):
+        if buffer.size < len(req.hash_ids) * BLOCK_TOKENS:
+            buffer = np.empty(2 * len(req.hash_ids) * BLOCK_TOKENS, dtype=np.int32)
+        prompt = req.prompt_tokens(buffer)  # the tree copies what it keeps
+        seq = prompt
+        if with_output and req.output_length:
+            out = np.arange(next_output, next_output + req.output_length, dtype=np.int32)
+            next_output += req.output_length
+            seq = np.concatenate([prompt, out])
+        st.requests += 1
+        st.prompt_tokens += prompt.size
+        st.prompt_pages += -(-prompt.size // cache.layout.page_size)
+        t0 = time.perf_counter()
+        m = cache.match(prompt)
+        handle = cache.lock(m)
+        st.match_s += time.perf_counter() - t0
+        if _RunningRequest(cache, seq, m.prefix_len, handle, st).run(chunk_pages):
+            st.cached_tokens += m.prefix_len
+            st.logical_tokens += m.logical_len
+        else:
+            st.refused += 1
+        if check_every and (i + 1) % check_every == 0:
+            cache.check_integrity(held={})
+        if on_request is not None:
+            on_request(i)
+    st.wall_s = time.perf_counter() - t_start
+    return st
+
+
+class _RunningRequest:
+    """One request from its match to its finish, in the cache's terms.
+
+    # [0, done)              borrowed from the tree by the match (locked)
+    # [done, handed)         computed, handed to the tree by an insert
+    # [handed - hold, ...)   window / state pages the request keeps for itself
+    #                        until its next insert (it still reads them)
+    # [full, total)          the partial last page: never cached, freed at finish
+    """
+
+    def __init__(self, cache: PrefixCache, seq: np.ndarray, prefix_len: int,
+                 handle: LockHandle, st: ReplayStats) -> None:
+        self.cache, self.seq, self.st, self.handle = cache, seq, st, handle
+        lay = cache.layout
+        ps = lay.page_size
+        self.done = prefix_len // ps
+        self.full, self.total = seq.size // ps, -(-seq.size // ps)
+        self.names = lay.pool_names
+        self.short = [r for r, p in enumerate(lay.pools) if p.retention is not Retention.ALL]
+        self.ckpt = {p.name for p in lay.pools if p.ratio is None}
+        self.hold = cache.tree.rule.lock_pages
+        # Own pages per pool for [done, total), -1 once handed over (or not yet allocated).
+        self.own = np.full((len(self.names), self.total - self.done), -1, dtype=np.int32)
+
+    def run(self, chunk_pages: int | None) -> bool:
+        """Serve the request; False (and nothing leaked) when the pools cannot hold it."""
+        step = chunk_pages or max(self.total - self.done, 1)
+        pos, handed = self.done, self.done
+        while pos < self.total:
+            end = min(pos + step, self.total)
+            if not self._alloc(pos, end):
+                self._abort()
+                return False
+            final = end == self.total
+            handed = self._insert(handed, min(end, self.full), final)
+            pos = end
+        if self.total == self.done:  # nothing to compute (cannot happen for a cap of len-1)
+            self.cache.unlock(self.handle)
+        return True
+
+    def _alloc(self, pos: int, end: int) -> bool:
+        t0 = time.perf_counter()
+        need = {n: (min(end, self.full) - min(pos, self.full) if n in self.ckpt else end - pos)
+                for n in self.names}
+        got = self.cache.alloc(need)
+        self.st.alloc_s += time.perf_counter() - t0
+        if got is None:
+            return False
+        for row, n in enumerate(self.names):
+            self.own[row, pos - self.done:pos - self.done + got[n].size] = got[n]
+            self.st.peak_pages[n] = max(self.st.peak_pages[n], self.cache.pools[n].used_pages)
+        return True
+
+    def _insert(self, handed: int, upto: int, final: bool) -> int:
+        """Hand pages [handed - hold, upto) to the tree; keep the live window unless final."""
+        t0 = time.perf_counter()
+        cache, d = self.cache, self.done
+        start = max(handed - self.hold, d)
+        pages = self.own[:, start - d:upto - d].copy()
+        if not final and self.hold:
+            pages[self.short, max(upto - self.hold, start) - start:] = -1
+        result = cache.insert(self.seq[:upto * cache.layout.page_size], pages, start,
+                              finished=final)
+        handed_now = pages >= 0
+        self.own[:, start - d:upto - d][handed_now] = -1
+        if final:
+            cache.free(self._private())
+            cache.unlock(self.handle)
+            self.st.inserted_pages += upto
+        else:
+            handle = cache.lock(result)  # lock the new prefix before letting the old go
+            cache.unlock(self.handle)
+            self.handle = handle
+        self.st.insert_s += time.perf_counter() - t0
+        return upto
+
+    def _private(self) -> dict[str, np.ndarray]:
+        return {n: self.own[row][self.own[row] >= 0] for row, n in enumerate(self.names)}
+
+    def _abort(self) -> None:
+        self.cache.free(self._private())
+        self.own[:] = -1
+        self.cache.unlock(self.handle)

@@ -1,0 +1,102 @@
+"""Capacity planning: replay a trace under several policies at equal bytes.
+
+Drives the real tree and pools in metadata-only mode (no tensors), so a
+DeepSeek-V4-Pro sized cache with terabytes of pools fits in a laptop's memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shadowradix.layout.spec import KVLayout
+from shadowradix.sim.replay import replay
+from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
+from shadowradix.sim.trace import BLOCK_TOKENS, TraceRequest
+from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tree.policy import CheckpointPolicy
+
+POLICY_NAMES = ("shadowradix", "periodic", "eager-swa", "no-shadows")
+TIERS = ("device", "host", "storage")
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """A named tree policy plus how much of the budget its window pools get."""
+
+    name: str
+    policy: CheckpointPolicy
+    window_ratio: float
+
+
+def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.1) -> PolicyChoice:
+    """(a) shadowradix, (b) + periodic checkpoints, (c) eager SWA release (SGLang),
+    (d) no shadows: a conventional radix cache that keeps the window for every token."""
+    if name == "shadowradix":
+        return PolicyChoice(name, CheckpointPolicy(), window_ratio)
+    if name == "periodic":
+        return PolicyChoice(f"periodic-{checkpoint_every}",
+                            CheckpointPolicy(every_pages=checkpoint_every), window_ratio)
+    if name == "eager-swa":
+        return PolicyChoice(name, CheckpointPolicy(eager_window_release=True), window_ratio)
+    if name == "no-shadows":
+        return PolicyChoice(name, CheckpointPolicy(tombstones=False), 1.0)
+    raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
+
+
+def bound_hit_rate(requests: Sequence[TraceRequest], page_size: int) -> float:
+    """The infinite-cache bound: for each request in order, k = leading hash ids seen in
+    earlier requests; hit = floor(min(k * 512, input_length - 1) / page_size) * page_size."""
+    seen: set[int] = set()
+    hit = total = 0
+    for req in requests:
+        k = 0
+        for h in req.hash_ids:
+            if h not in seen:
+                break
+            k += 1
+        hit += min(k * BLOCK_TOKENS, req.input_length - 1) // page_size * page_size
+        total += req.input_length
+        seen.update(req.hash_ids)
+    return hit / max(total, 1)
+
+
+def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyChoice,
+             device_gb: float | None, *, chunk_pages: int | None = 32,
+             on_request: Callable[[int], None] | None = None,
+             bound: float | None = None) -> dict[str, Any]:
+    """One replay; `device_gb=None` means unbounded memory. Returns the JSON record."""
+    if device_gb is None:
+        tokens = sum(r.input_length + r.output_length for r in requests) + layout.page_size
+        pages = {p.name: -(-tokens // layout.page_size) + 1 for p in layout.pools}
+    else:
+        pages = pages_for_budget(layout, device_gb * GB, choice.window_ratio)
+    cache = PrefixCache(layout, pages, choice.policy)
+    t0 = time.perf_counter()
+    st = replay(cache, requests, with_output=True, chunk_pages=chunk_pages,
+                on_request=on_request)
+    seconds = time.perf_counter() - t0
+    cache.flush()
+    leaked = {n: p.used_pages for n, p in cache.pools.items() if p.used_pages}
+    if leaked:
+        raise AssertionError(f"pages leaked after the replay: {leaked}")
+    if bound is None:
+        bound = bound_hit_rate(requests, layout.page_size)
+    page_bytes = layout.page_bytes()
+    return {
+        "policy": choice.name, "layout": layout.name, "page_size": layout.page_size,
+        "device_gb": device_gb, "window_ratio": choice.window_ratio,
+        "pool_pages": pages, "pool_bytes": budget_bytes(pages, layout),
+        "requests": st.requests, "refused": st.refused,
+        "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
+        "cached_by_tier": {"device": st.cached_tokens, "host": 0, "storage": 0},
+        "computed_tokens": st.computed_tokens,
+        "hit_rate": st.hit_rate, "bound_hit_rate": bound,
+        "share_of_bound": st.hit_rate / bound if bound else 0.0,
+        "seconds": seconds,
+        "peak_pages": st.peak_pages,
+        "peak_bytes": {n: st.peak_pages[n] * page_bytes[n] for n in st.peak_pages},
+        "bytes_moved": {f"{a}->{b}": 0 for a in TIERS for b in TIERS if a != b},
+    }

@@ -1,0 +1,64 @@
+"""`check_integrity()`: every invariant the tree relies on, named when it breaks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from shadowradix.tree.radix import ShadowRadix
+
+
+def check_tree(tree: ShadowRadix) -> None:
+    ps, n_pools = tree.page_size, tree.n_pools
+    held = np.zeros(n_pools, np.int64)
+    per_pool: list[list[np.ndarray]] = [[] for _ in range(n_pools)]
+    n_nodes = 1
+    all_rows = list(tree.rule.all_rows)
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        child_locks = 0
+        for key, child in node.children.items():
+            n_nodes += 1
+            _expect(child.alive, f"node {child.id} is in the tree but marked dead")
+            _expect(child.parent is node, f"node {child.id}: parent link broken")
+            _expect(child.n_pages > 0, f"node {child.id} has no pages")
+            _expect(key == child.key(ps), f"node {child.id}: child key is not its first page")
+            _expect(child.start_page == node.end_page,
+                    f"node {child.id}: starts at page {child.start_page}, parent ends at "
+                    f"{node.end_page}")
+            _expect(child.tokens.size == child.n_pages * ps,
+                    f"node {child.id}: {child.tokens.size} tokens for {child.n_pages} pages")
+            _expect(child.keep.shape == child.pages.shape and
+                    child.window_lock.shape == (child.n_pages,),
+                    f"node {child.id}: shadow arrays disagree in shape")
+            _expect(child.full_lock >= 0 and bool((child.window_lock >= 0).all()),
+                    f"node {child.id}: negative lock count")
+            _expect(not (child.window_lock > 0).any() or child.full_lock > 0,
+                    f"node {child.id}: window-locked but not full-locked")
+            if all_rows:
+                _expect(bool((child.pages[all_rows] >= 0).all()),
+                        f"node {child.id}: tombstone in an ALL pool")
+            for row in range(n_pools):
+                present = child.pages[row][child.pages[row] >= 0]
+                per_pool[row].append(present)
+                held[row] += present.size
+            child_locks += child.full_lock
+            stack.append(child)
+        if node is not tree.root:
+            _expect(node.full_lock >= child_locks,
+                    f"node {node.id}: full_lock {node.full_lock} < children's {child_locks}")
+    _expect(n_nodes == tree._n_nodes, f"{n_nodes} nodes reachable, {tree._n_nodes} counted")
+    for row, spec in enumerate(tree.layout.pools):
+        _expect(held[row] == tree._pages[row],
+                f"pool {spec.name!r}: {held[row]} pages in shadows, {tree._pages[row]} counted")
+        pages = np.concatenate(per_pool[row]) if per_pool[row] else np.empty(0, np.int32)
+        _expect(np.unique(pages).size == pages.size,
+                f"pool {spec.name!r}: a physical page is shadowed twice")
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)

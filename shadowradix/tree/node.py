@@ -1,0 +1,82 @@
+"""A node of the ShadowRadix tree: an edge of whole pages and one shadow per pool."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """Tokens and bookkeeping only; never tensors.
+
+    pages[row, i] is pool `row`'s physical page for this node's i-th page, or
+    -1 (a tombstone). keep[row, i] marks pages that belong to a kept
+    checkpoint. window_lock[i] counts the locks whose window or checkpoint
+    needs page i; full_lock counts the locks whose path runs through the node.
+    """
+
+    tokens: np.ndarray
+    pages: np.ndarray
+    keep: np.ndarray
+    window_lock: np.ndarray
+    parent: Node | None
+    start_page: int
+    children: dict[bytes, Node] = field(default_factory=dict)
+    full_lock: int = 0
+    last_access: int = 0
+    branch: bool = False
+    queued: int = 0  # bit per LRU heap holding this node
+    alive: bool = True
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def n_pages(self) -> int:
+        return self.pages.shape[1]
+
+    @property
+    def end_page(self) -> int:
+        return self.start_page + self.pages.shape[1]
+
+    def key(self, page_size: int) -> bytes:
+        return self.tokens[:page_size].tobytes()
+
+    def split(self, j: int, page_size: int) -> Node:
+        """Cut after page j; a new node takes the head and this node keeps the tail.
+
+        The tail keeps its identity so that lock handles (which name the node
+        ending at their boundary) stay valid. Locks carry over: every lock that
+        runs through the tail runs through the head.
+        """
+        assert 0 < j < self.n_pages and self.parent is not None
+        head = Node(
+            tokens=self.tokens[:j * page_size],
+            pages=self.pages[:, :j].copy(),
+            keep=self.keep[:, :j].copy(),
+            window_lock=self.window_lock[:j].copy(),
+            parent=self.parent,
+            start_page=self.start_page,
+            full_lock=self.full_lock,
+            last_access=self.last_access,
+            branch=False,
+        )
+        self.parent.children[self.key(page_size)] = head
+        self.tokens = self.tokens[j * page_size:]
+        self.pages = self.pages[:, j:].copy()
+        self.keep = self.keep[:, j:].copy()
+        self.window_lock = self.window_lock[j:].copy()
+        self.start_page += j
+        self.parent = head
+        head.children[self.key(page_size)] = self
+        return head
+
+
+def leading_equal_pages(a: np.ndarray, b: np.ndarray, page_size: int) -> int:
+    """How many whole leading pages of two equal-length token arrays agree."""
+    if a.tobytes() == b.tobytes():  # the common case, and 10x cheaper than a != b
+        return a.size // page_size
+    return int((a != b).argmax()) // page_size

@@ -1,0 +1,47 @@
+"""Which resume points the tree keeps, and how it lets the rest go."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Checkpoints are a policy (DESIGN.md §2), not a fixed rule.
+
+    A checkpoint at page boundary q is the WINDOW pages before q plus the
+    CHECKPOINT entry at q: what a request needs to resume exactly at q.
+    Kept checkpoints are evicted last.
+
+    every_pages: also keep a checkpoint every K pages (0: off).
+    branch_points: keep one where a match's logical hit went deeper than its
+        resumable point (the second request that diverges at a shared system
+        prompt marks it; the third hits).
+    eager_window_release: SGLang's rule: WINDOW / CHECKPOINT pages that are not
+        part of a kept checkpoint are freed at insert instead of cached.
+    tombstones: False gives a conventional radix cache: every pool of a node
+        lives and dies with the node, so SWA is never dropped on its own.
+    """
+
+    every_pages: int = 0
+    branch_points: bool = True
+    eager_window_release: bool = False
+    tombstones: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every_pages < 0:
+            raise ValueError(f"every_pages must be >= 0, got {self.every_pages}")
+        if self.eager_window_release and not self.tombstones:
+            raise ValueError("eager_window_release needs tombstones=True")
+
+
+# The policies the simulator compares at equal bytes (issue: simulator, section 2).
+POLICIES: dict[str, CheckpointPolicy] = {
+    "shadowradix": CheckpointPolicy(),
+    "eager-swa": CheckpointPolicy(eager_window_release=True),
+    "no-shadows": CheckpointPolicy(tombstones=False),
+}
+
+
+def periodic(k: int) -> CheckpointPolicy:
+    return CheckpointPolicy(every_pages=k)

@@ -1,0 +1,430 @@
+"""ShadowRadix: one logical radix tree, one shadow per physical pool.
+
+Edges are runs of whole pages. A node holds tokens and, per pool, one physical
+page id per logical page (or -1: a tombstone). The tree never allocates; it
+adopts the pages a request hands it and reports the pages it lets go, which
+the caller frees. No torch here: the simulator drives this at full scale.
+
+    # [0, prefix_len)            resumable: every pool the match rule needs is here
+    # [prefix_len, logical_len)  tokens known, some window / state page is gone
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from shadowradix.layout.spec import KVLayout, Retention
+from shadowradix.tree.lru import LRUHeap
+from shadowradix.tree.node import Node, leading_equal_pages
+from shadowradix.tree.policy import CheckpointPolicy
+from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult
+from shadowradix.tree.rules import MatchRule
+from shadowradix.tree.stats import TreeStats, count_stats
+
+PAGE = np.int32
+TOKEN = np.int32
+
+
+def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous int32 array. Raises ValueError on anything else.
+
+    The tree only compares ids, so it checks their type, not their range
+    (the engine checks ids against the vocabulary).
+    """
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of ints, got shape {arr.shape}")
+    if arr.dtype == TOKEN or arr.size == 0:
+        return np.ascontiguousarray(arr, dtype=TOKEN)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.min() < _TOKEN_MIN or arr.max() > _TOKEN_MAX:
+        raise ValueError("token ids must fit in int32")
+    return arr.astype(TOKEN)
+
+
+_TOKEN_MIN, _TOKEN_MAX = int(np.iinfo(TOKEN).min), int(np.iinfo(TOKEN).max)
+
+
+class ShadowRadix:
+    """The logical tree over token positions, with per-pool shadows and two lock counts."""
+
+    def __init__(self, layout: KVLayout, policy: CheckpointPolicy | None = None) -> None:
+        self.layout = layout
+        self.policy = policy or CheckpointPolicy()
+        self.rule = MatchRule.of(layout)
+        self.page_size = layout.page_size
+        self.n_pools = len(layout.pools)
+        self._short_lived = [i for i, p in enumerate(layout.pools)
+                             if p.retention is not Retention.ALL]
+        self.root = self._new_node(np.empty(0, TOKEN), np.empty((self.n_pools, 0), PAGE), None, 0)
+        self._clock = 0
+        self._pages = [0] * self.n_pools  # pages held, per pool
+        self._n_nodes = 1
+        self._leaves = LRUHeap(0)
+        # Per short-lived pool: nodes with pages outside / inside kept checkpoints.
+        self._loose = {row: LRUHeap(1 + 2 * row) for row in self._short_lived}
+        self._kept = {row: LRUHeap(2 + 2 * row) for row in self._short_lived}
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
+        """The deepest exact resume point for `tokens`; see MatchResult.
+
+        Never allocates or evicts. It may split a node so that a node ends at
+        the resume point (the lock target) and, under the branch-point policy,
+        at a logical hit deeper than it (marked for a checkpoint at next insert).
+        """
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        cap = max(tokens.size - 1, 0) // ps
+        path: list[tuple[Node, int]] = []
+        node, depth = self.root, 0
+        while depth < cap:
+            child = node.children.get(tokens[depth * ps:(depth + 1) * ps].tobytes())
+            if child is None:
+                break
+            avail = min(child.n_pages, cap - depth)
+            eq = leading_equal_pages(child.tokens[:avail * ps],
+                                     tokens[depth * ps:(depth + avail) * ps], ps)
+            path.append((child, eq))
+            depth += eq
+            if eq < child.n_pages:
+                break
+            node = child
+        if path:
+            table = np.concatenate([n.pages[:, :eq] for n, eq in path], axis=1)
+        else:
+            table = np.empty((self.n_pools, 0), PAGE)
+        resume = self.rule.deepest(table)
+        self._touch(n for n, _ in path)
+        # Split at the resume point first: the branch split below lies deeper and
+        # leaves the target (the head ending at `resume`) untouched.
+        target = self._node_ending_at(path, resume)
+        if self.policy.branch_points and depth > resume:
+            self._node_ending_at(path, depth).branch = True
+        return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target)
+
+    def _node_ending_at(self, path: list[tuple[Node, int]], boundary: int) -> Node:
+        """The node on `path` ending at page `boundary`, splitting one if needed."""
+        if boundary == 0:
+            return self.root
+        for node, _ in path:
+            if node.start_page < boundary <= node.end_page:
+                if boundary == node.end_page:
+                    return node
+                return self._split(node, boundary - node.start_page)
+        raise AssertionError(f"boundary {boundary} is not on the matched path")
+
+    # ----------------------------------------------------------------- insert
+    def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
+               start: int = 0, *, finished: bool = True) -> InsertResult:
+        """Adopt the pages a request owns for pages [start, len(tokens) // page_size).
+
+        pages: [pools, n - start] int page ids, -1 where the request holds none.
+        [0, start) is the prefix the request borrowed from its match: the tree
+        owns those pages (and may have let unlocked window pages go meanwhile),
+        so the request hands none of them over. Where the tree already holds a
+        page for the same tokens it keeps its own and the request's copy comes
+        back in `to_free`; tombstones are filled from the request. A checkpoint
+        is kept at the end (when `finished`; a running request inserting its
+        prefix keeps its live window to itself), at marked branch points and
+        every `policy.every_pages` pages. Mutates the tree; allocates nothing.
+        """
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        n = tokens.size // ps
+        own = np.asarray(pages)
+        if not 0 <= start <= n or own.ndim != 2 or own.shape != (self.n_pools, n - start):
+            raise ValueError(f"pages must be [{self.n_pools}, {n} - start] for start in [0, {n}]"
+                             f", got {own.shape} with start={start}")
+        table = np.empty((self.n_pools, n), dtype=PAGE)
+        table[:, :start] = -1
+        table[:, start:] = own
+
+        segments: list[Node] = []
+        node, depth = self.root, 0
+        while depth < n:
+            child = node.children.get(tokens[depth * ps:(depth + 1) * ps].tobytes())
+            if child is None:
+                break
+            avail = min(child.n_pages, n - depth)
+            eq = leading_equal_pages(child.tokens[:avail * ps],
+                                     tokens[depth * ps:(depth + avail) * ps], ps)
+            split = eq < child.n_pages
+            if split:
+                child = self._split(child, eq)
+            segments.append(child)
+            depth += eq
+            node = child
+            if split:
+                break
+        keep = self._keep_plan(n, [s.end_page for s in segments if s.branch], finished)
+        to_free: list[np.ndarray] = []
+        for seg in segments:
+            lo, hi = seg.start_page, seg.end_page
+            req = table[:, lo:hi]
+            seg_keep = self._keep_mask(keep, lo, hi)
+            if seg_keep is not None:
+                seg.keep |= seg_keep
+                self._enqueue(seg)
+            if hi <= start:
+                continue  # the borrowed prefix: the request hands over nothing here
+            give = req >= 0
+            fill = give & (seg.pages < 0)
+            if self.policy.eager_window_release:
+                fill &= self._adoptable(seg_keep, hi - lo)
+            drop = give & ~fill & (req != seg.pages)
+            if np.count_nonzero(fill):
+                seg.pages[fill] = req[fill]
+                self._count(fill, +1)
+            if np.count_nonzero(drop):
+                to_free.append(np.where(drop, req, -1))
+            self._enqueue(seg)
+        if depth < n:
+            req = table[:, depth:]
+            leaf = self._new_node(tokens[depth * ps:n * ps].copy(), req, node, depth)
+            leaf_keep = self._keep_mask(keep, depth, n)
+            if leaf_keep is not None:
+                leaf.keep[:] = leaf_keep
+            if self.policy.eager_window_release:
+                drop = (req >= 0) & ~self._adoptable(leaf_keep, n - depth)
+                if np.count_nonzero(drop):
+                    to_free.append(np.where(drop, req, -1))
+                    leaf.pages[drop] = -1
+            node.children[leaf.key(ps)] = leaf
+            self._n_nodes += 1
+            self._count(leaf.pages >= 0, +1)
+            segments.append(leaf)
+            self._enqueue(leaf)
+        self._touch(segments)
+        end = segments[-1] if segments else self.root
+        if not to_free:
+            empty = np.empty(0, PAGE)
+            return InsertResult(end, depth, {p.name: empty for p in self.layout.pools})
+        freed = np.concatenate(to_free, axis=1)
+        return InsertResult(end, depth, {p.name: freed[i][freed[i] >= 0]
+                                         for i, p in enumerate(self.layout.pools)})
+
+    def _keep_plan(self, n: int, branch_ends: list[int],
+                   finished: bool) -> list[tuple[int, list[int]]]:
+        """Per short-lived row, the sorted page indices that belong to kept checkpoints."""
+        if n == 0 or not self._short_lived:
+            return []
+        if finished and not branch_ends and not self.policy.every_pages:  # the common case
+            return self._end_plan(n)
+        ends = {*branch_ends, *([n] if finished else [])}
+        if self.policy.every_pages:
+            ends.update(range(self.policy.every_pages, n + 1, self.policy.every_pages))
+        plan = [(row, sorted(q - 1 for q in ends)) for row in self.rule.checkpoint_rows]
+        for row, k in self.rule.windows:
+            if k:
+                plan.append((row, sorted({q - b for q in ends for b in range(1, k + 1)
+                                          if q - b >= 0})))
+        return plan
+
+    def _end_plan(self, n: int) -> list[tuple[int, list[int]]]:
+        plan = [(row, [n - 1]) for row in self.rule.checkpoint_rows]
+        plan += [(row, list(range(max(n - k, 0), n))) for row, k in self.rule.windows if k]
+        return plan
+
+    def _keep_mask(self, plan: list[tuple[int, list[int]]], lo: int,
+                   hi: int) -> np.ndarray | None:
+        """The plan's keep marks for pages [lo, hi), or None when there are none."""
+        mask = None
+        for row, idx in plan:
+            sel = [i - lo for i in idx[bisect_left(idx, lo):bisect_left(idx, hi)]]
+            if sel:
+                if mask is None:
+                    mask = np.zeros((self.n_pools, hi - lo), dtype=bool)
+                mask[row, sel] = True
+        return mask
+
+    def _adoptable(self, keep: np.ndarray | None, n: int) -> np.ndarray:
+        """Eager policy: short-lived pages are adopted only inside kept checkpoints."""
+        ok = np.ones((self.n_pools, n), dtype=bool)
+        ok[self._short_lived] = False if keep is None else keep[self._short_lived]
+        return ok
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: Node) -> LockHandle:
+        """Pin the path root..node (full_lock) and the window and state just before
+        node's end (window_lock). Locked shadows are never evicted."""
+        if not node.alive:
+            raise ValueError("cannot lock a node that was evicted")
+        handle = LockHandle(node, min(self.rule.lock_pages, node.end_page))
+        self._lock_walk(handle, +1)
+        return handle
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Release a lock taken by `lock`. Raises ValueError when released twice."""
+        if handle.released:
+            raise ValueError("lock handle already released")
+        self._lock_walk(handle, -1)
+        handle.released = True
+
+    def _lock_walk(self, handle: LockHandle, step: int) -> None:
+        need = handle.window_pages
+        node: Node | None = handle.node
+        while node is not None and node is not self.root:
+            node.full_lock += step
+            if need > 0:
+                take = min(need, node.n_pages)
+                node.window_lock[node.n_pages - take:] += step
+                need -= take
+            node = node.parent
+
+    # -------------------------------------------------------------- eviction
+    def evict(self, pool: str, num_pages: int) -> EvictResult:
+        """Let at least `num_pages` pages of `pool` go, if that many are unlocked.
+
+        ALL pools (and every pool when tombstones are off) lose whole unlocked
+        leaves, least recently used first; all of a removed node's shadows go.
+        WINDOW / CHECKPOINT pools are tombstoned page by page, least recently
+        used first, pages outside kept checkpoints before those inside. A leaf
+        left with no checkpoint to resume from is removed too. evict(_, 0) is a
+        no-op. The result lists every page let go, in every pool.
+        """
+        row = self.layout.index(pool)
+        freed: list[list[np.ndarray]] = [[] for _ in range(self.n_pools)]
+        got = 0
+        if num_pages > 0:
+            if row in self._loose and self.policy.tombstones:
+                for heap in (self._loose[row], self._kept[row]):
+                    if got < num_pages:
+                        got += self._tombstone(row, heap, num_pages - got, freed)
+            if got < num_pages and (row not in self._loose or not self.policy.tombstones):
+                self._evict_leaves(row, num_pages - got, freed)
+        return EvictResult({p.name: (np.concatenate(freed[i]) if freed[i]
+                                     else np.empty(0, PAGE))
+                            for i, p in enumerate(self.layout.pools)})
+
+    def _tombstone(self, row: int, heap: LRUHeap, want: int,
+                   freed: list[list[np.ndarray]]) -> int:
+        kept = heap is self._kept[row]
+        got, skipped = 0, []
+        for node in heap.oldest(lambda n: self._has(n, row, kept)):
+            mask = (node.pages[row] >= 0) & (node.window_lock == 0)
+            mask &= node.keep[row] if kept else ~node.keep[row]
+            if np.count_nonzero(mask):
+                pages = node.pages[row, mask]
+                node.pages[row, mask] = -1
+                self._pages[row] -= pages.size
+                freed[row].append(pages)
+                got += pages.size
+                if not node.children and node.full_lock == 0:
+                    self._drop_dead_leaf(node, freed)
+            if node.alive and self._has(node, row, kept):
+                skipped.append(node)  # its remaining pages are locked
+            if got >= want:
+                break
+        for node in skipped:
+            heap.add(node)
+        return got
+
+    def _evict_leaves(self, row: int, want: int, freed: list[list[np.ndarray]]) -> None:
+        got, skipped = 0, []
+        for node in self._leaves.oldest(lambda n: not n.children):
+            if node.full_lock > 0:
+                skipped.append(node)
+                continue
+            got += int(np.count_nonzero(node.pages[row] >= 0))
+            self._remove_leaf(node, freed)
+            if got >= want:
+                break
+        for node in skipped:
+            self._leaves.add(node)
+
+    def _drop_dead_leaf(self, node: Node, freed: list[list[np.ndarray]]) -> None:
+        """Remove unlocked leaves (walking up) that no longer hold a resume point."""
+        while (node is not self.root and node.parent is not None and not node.children
+               and node.full_lock == 0 and self.rule.has_checkpoints
+               and not np.count_nonzero(self.rule.resumable(node.pages)[1:])):
+            parent = node.parent
+            self._remove_leaf(node, freed)
+            node = parent
+
+    def _remove_leaf(self, node: Node, freed: list[list[np.ndarray]]) -> None:
+        assert not node.children and node.full_lock == 0 and node.parent is not None
+        for row in range(self.n_pools):
+            pages = node.pages[row][node.pages[row] >= 0]
+            if pages.size:
+                freed[row].append(pages)
+                self._pages[row] -= pages.size
+        parent = node.parent
+        del parent.children[node.key(self.page_size)]
+        node.alive = False
+        node.parent = None
+        self._n_nodes -= 1
+        if parent is not self.root and not parent.children:
+            self._leaves.add(parent)
+
+    def _count(self, mask: np.ndarray, step: int) -> None:
+        """Adjust the per-pool page counts by the set cells of `mask` [pools, n]."""
+        for row in range(self.n_pools):
+            self._pages[row] += step * int(np.count_nonzero(mask[row]))
+
+    def _has(self, node: Node, row: int, kept: bool) -> bool:
+        present = node.pages[row] >= 0
+        mask = present & node.keep[row] if kept else present & ~node.keep[row]
+        return bool(np.count_nonzero(mask))
+
+    # --------------------------------------------------------------- helpers
+    def _new_node(self, tokens: np.ndarray, pages: np.ndarray, parent: Node | None,
+                  start: int) -> Node:
+        n = pages.shape[1]
+        return Node(tokens=tokens, pages=np.array(pages, dtype=PAGE),  # a copy: never alias
+                    keep=np.zeros((self.n_pools, n), dtype=bool),
+                    window_lock=np.zeros(n, dtype=np.int32), parent=parent, start_page=start)
+
+    def _split(self, node: Node, j: int) -> Node:
+        head = node.split(j, self.page_size)
+        self._n_nodes += 1
+        self._enqueue(head)
+        return head
+
+    def _touch(self, nodes: Iterator[Node] | list[Node]) -> None:
+        self._clock += 1
+        for node in nodes:
+            node.last_access = self._clock
+
+    def _enqueue(self, node: Node) -> None:
+        """Make `node` a candidate in the LRU heaps that may want it.
+
+        Cheap on purpose: a heap checks on pop whether the node still holds
+        pages of its kind and drops it if not.
+        """
+        if not node.children:
+            self._leaves.add(node)
+        for row in self._short_lived:
+            self._loose[row].add(node)
+            self._kept[row].add(node)
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ------------------------------------------------------------ inspection
+    def pages_held(self, pool: str) -> int:
+        return int(self._pages[self.layout.index(pool)])
+
+    def all_pages(self, pool: str) -> np.ndarray:
+        """Every page of `pool` the tree holds (for integrity checks)."""
+        row = self.layout.index(pool)
+        parts = [n.pages[row][n.pages[row] >= 0] for n in self.nodes()]
+        return np.concatenate(parts) if parts else np.empty(0, PAGE)
+
+    def stats(self) -> TreeStats:
+        return count_stats(self)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first count or link that disagrees."""
+        from shadowradix.tree.integrity import check_tree
+
+        check_tree(self)

@@ -1,0 +1,92 @@
+"""The match rule (DESIGN.md §2), vectorised over a path's page table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shadowradix.layout.spec import KVLayout, Retention
+
+
+@dataclass(frozen=True)
+class MatchRule:
+    """Which rows a resume point at page boundary q needs, derived from a layout.
+
+    q is resumable iff every ALL row covers pages [0, q), every WINDOW row
+    covers the `k` pages before q (k = ceil((W-1)/page_size)), and every
+    CHECKPOINT row holds page q-1 (the state at q). q = 0 always is.
+    """
+
+    all_rows: list[int]
+    windows: tuple[tuple[int, int], ...]  # (row, pages needed before q)
+    checkpoint_rows: tuple[int, ...]
+    lock_pages: int  # pages before q that a lock at q must keep (window and state)
+    prev_rows: list[int]  # rows that need exactly page q-1 (one-page windows, checkpoints)
+    wide_windows: tuple[tuple[int, int], ...]  # windows spanning more than one page
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> MatchRule:
+        windows = tuple((i, p.window_pages(layout.page_size)) for i, p in enumerate(layout.pools)
+                        if p.retention is Retention.WINDOW)
+        ckpt = layout.rows(Retention.CHECKPOINT)
+        lock = max([k for _, k in windows] + [1 if ckpt else 0])
+        prev = [r for r, k in windows if k == 1] + list(ckpt)
+        wide = tuple((r, k) for r, k in windows if k > 1)
+        return cls(list(layout.rows(Retention.ALL)), windows, ckpt, lock, prev, wide)
+
+    @property
+    def has_checkpoints(self) -> bool:
+        """Whether resuming needs more than the ALL rows (so a node can be dead weight)."""
+        return any(k for _, k in self.windows) or bool(self.checkpoint_rows)
+
+    def resumable(self, pages: np.ndarray) -> np.ndarray:
+        """ok[q] for q in 0..m, over a path's page table `pages` [rows, m]."""
+        m = pages.shape[1]
+        ok = np.ones(m + 1, dtype=bool)
+        if m == 0:
+            return ok
+        present = pages >= 0
+        if self.all_rows:
+            missing = np.flatnonzero(~present[self.all_rows, :].all(axis=0))
+            if missing.size:
+                ok[missing[0] + 1:] = False
+        for row, k in self.windows:
+            if k == 1:
+                ok[1:] &= present[row]
+            elif k > 1:
+                held = np.concatenate(([0], np.cumsum(present[row])))
+                q = np.arange(m + 1)
+                lo = np.maximum(q - k, 0)
+                ok &= (held - held[lo]) == (q - lo)
+        for row in self.checkpoint_rows:
+            ok[1:] &= present[row]
+        ok[0] = True
+        return ok
+
+    def deepest(self, pages: np.ndarray) -> int:
+        """The deepest resumable page boundary of a path's page table.
+
+        Same answer as `resumable(pages)`'s last True, with fewer array passes:
+        this runs on every match.
+        """
+        m = pages.shape[1]
+        if m == 0:
+            return 0
+        if self.wide_windows:
+            return int(np.flatnonzero(self.resumable(pages))[-1])
+        present = pages >= 0
+        limit = m
+        rows = self.all_rows
+        if rows:
+            whole = present[rows[0]] if len(rows) == 1 else present[rows].all(axis=0)
+            if np.count_nonzero(whole) < m:
+                limit = int(whole.argmin())
+        rows = self.prev_rows
+        if not rows:
+            return limit
+        cand = present[rows[0]] if len(rows) == 1 else np.logical_and.reduce(present[rows])
+        cand = cand[:limit]
+        if limit == 0 or not np.count_nonzero(cand):
+            return 0
+        return limit - int(cand[::-1].argmax())

@@ -1,0 +1,109 @@
+"""Shared test fixtures: tiny layouts, page contents derived from tokens, rule checks."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from shadowradix.layout import KVLayout, PoolSpec, Retention
+from shadowradix.tiers import PrefixCache
+from shadowradix.tree import MatchResult
+
+
+def tiny_layout(page_size: int = 4, window: int = 3, *, all_pools: bool = True,
+                window_pool: bool = True, state: bool = True) -> KVLayout:
+    """A DeepSeek-V4-shaped layout at toy scale: raw + 2:1 ALL pools, a window, a state."""
+    pools = []
+    if all_pools:
+        pools += [PoolSpec("kv", 1, Retention.ALL, (2,), "float32", 1),
+                  PoolSpec("c2", 2, Retention.ALL, (2,), "float32", 1)]
+    if window_pool:
+        pools.append(PoolSpec("swa", 1, Retention.WINDOW, (2,), "float32", 1, window=window))
+    if state:
+        pools.append(PoolSpec("state", None, Retention.CHECKPOINT, (3,), "float32", 1))
+    return KVLayout("tiny", tuple(pools), page_size)
+
+
+def page_key(tokens: np.ndarray | list[int], page: int, row: int, page_size: int) -> int:
+    """What a page must hold: a function of the pool and every token up to the page's end.
+    A page served for the wrong prefix (or the wrong pool) shows up as a mismatch."""
+    prefix = np.asarray(tokens[:(page + 1) * page_size], dtype=np.int32).tobytes()
+    return zlib.crc32(prefix, row * 7919 + 1)
+
+
+def needed_pages(layout: KVLayout, resume_pages: int) -> dict[int, list[int]]:
+    """Per row, the pages a request resuming at `resume_pages` reads (the match rule)."""
+    out: dict[int, list[int]] = {}
+    q = resume_pages
+    for row, spec in enumerate(layout.pools):
+        if q == 0:
+            out[row] = []
+        elif spec.retention is Retention.ALL:
+            out[row] = list(range(q))
+        elif spec.retention is Retention.WINDOW:
+            out[row] = list(range(max(q - spec.window_pages(layout.page_size), 0), q))
+        else:
+            out[row] = [q - 1]
+    return out
+
+
+def assert_sound(cache: PrefixCache, tokens: list[int], m: MatchResult,
+                 content: list[dict[int, int]]) -> None:
+    """Every page a match returns holds the data written for exactly those tokens, and
+    the pages the resume needs are all there."""
+    ps = cache.layout.page_size
+    q = m.prefix_len // ps
+    assert m.prefix_len % ps == 0 and m.prefix_len <= max(len(tokens) - 1, 0)
+    assert m.prefix_len <= m.logical_len
+    assert m.page_table.shape == (len(cache.layout.pools), q)
+    for row, pages in needed_pages(cache.layout, q).items():
+        for i in pages:
+            assert m.page_table[row, i] >= 0, f"row {row} page {i} missing at resume {q}"
+    for row in range(len(cache.layout.pools)):
+        for i in range(q):
+            page = int(m.page_table[row, i])
+            if page >= 0:
+                assert content[row].get(page) == page_key(tokens, i, row, ps), (
+                    f"pool row {row}: page {page} at logical page {i} holds other data")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def serve(cache: PrefixCache, tokens: list[int], content: list[dict[int, int]] | None = None,
+          *, insert: bool = True) -> tuple[MatchResult, int]:
+    """One whole request: match, lock, allocate, write, insert, unlock.
+
+    Writes each allocated page's expected key into `content`. Returns the
+    match and how many pages the tree already held at insert.
+    """
+    ps = cache.layout.page_size
+    m = cache.match(tokens)
+    handle = cache.lock(m)
+    done, full = m.prefix_len // ps, len(tokens) // ps
+    total = -(-len(tokens) // ps)
+    need = {p.name: (full if p.ratio is None else total) - done for p in cache.layout.pools}
+    got = cache.alloc(need)
+    assert got is not None, "test pools too small for this request"
+    own = np.empty((len(cache.layout.pools), full - done), dtype=np.int32)
+    partial = {}
+    for row, spec in enumerate(cache.layout.pools):
+        own[row] = got[spec.name][:full - done]
+        partial[spec.name] = got[spec.name][full - done:]
+        if content is not None:
+            for i, page in enumerate(got[spec.name].tolist()):
+                content[row][page] = page_key(tokens, done + i, row, ps)
+    cached = 0
+    if insert:
+        cached = cache.insert(tokens, own, done).cached_pages
+        cache.free(partial)
+    else:
+        cache.free(got)
+    cache.unlock(handle)
+    return m, cached
