@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[model,dev]'
+	$(BIN)/pip install -q -e '.[model,plot,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,39 @@
+"""The sweep plot: hit rate against device memory, one line per policy."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def plot_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> None:
+    """Write a PNG. Needs matplotlib (`pip install shadowradix[plot]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in runs:
+        if r["device_gb"] is not None:
+            lines[r["policy"]].append((r["device_gb"], 100 * r["hit_rate"]))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for policy, points in lines.items():
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker="o", label=policy)
+    bound = 100 * runs[0]["bound_hit_rate"]
+    ax.axhline(bound, color="grey", linestyle="--", label=f"infinite-cache bound ({bound:.1f}%)")
+    ax.axhline(0.9 * bound, color="grey", linestyle=":", label="90% of bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("device KV memory (GB)")
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)

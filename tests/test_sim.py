@@ -1,0 +1,126 @@
+"""The simulator: bound equality, tiers, sizing, trace errors, the command line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from shadowradix.cli import main
+from shadowradix.layout import deepseek_v4_flash, deepseek_v4_pro, full_attention
+from shadowradix.sim import TraceError, bundled_trace, load_trace, replay
+from shadowradix.sim.simulate import POLICY_NAMES, bound_hit_rate, policy_choice, simulate
+from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
+from shadowradix.tiers import PrefixCache
+
+
+@pytest.fixture(scope="module")
+def conversation():
+    return load_trace(bundled_trace("conversation"), limit=1500)
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    return load_trace(bundled_trace("synthetic"), limit=600)
+
+
+@pytest.mark.parametrize("policy", ["shadowradix", "no-shadows"])
+@pytest.mark.parametrize("trace", ["conversation", "synthetic"])
+def test_unbounded_hit_rate_equals_the_bound_exactly(policy, trace, request):
+    requests = request.getfixturevalue(trace)
+    r = simulate(requests, deepseek_v4_flash(), policy_choice(policy), None)
+    assert r["refused"] == 0
+    assert r["hit_rate"] == r["bound_hit_rate"] > 0.1
+
+
+def test_unbounded_full_attention_page_128_equals_the_bound(synthetic):
+    r = simulate(synthetic, full_attention(page_size=128), policy_choice("shadowradix"), None)
+    assert r["hit_rate"] == r["bound_hit_rate"] == bound_hit_rate(synthetic, 128)
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_bounded_runs_stay_under_the_bound_and_tiers_sum(policy, conversation):
+    r = simulate(conversation, deepseek_v4_pro(), policy_choice(policy, checkpoint_every=4), 20.0)
+    assert 0 < r["hit_rate"] <= r["bound_hit_rate"]
+    assert sum(r["cached_by_tier"].values()) == r["cached_tokens"]
+    assert r["cached_tokens"] + r["computed_tokens"] == r["prompt_tokens"]
+    assert r["pool_bytes"] <= 20 * GB
+    assert all(r["peak_pages"][n] <= r["pool_pages"][n] for n in r["pool_pages"])
+
+
+def test_shadows_beat_a_conventional_cache_at_equal_bytes(conversation):
+    lay = deepseek_v4_flash()
+    ours = simulate(conversation, lay, policy_choice("shadowradix"), 20.0)
+    conventional = simulate(conversation, lay, policy_choice("no-shadows"), 20.0)
+    assert ours["hit_rate"] > conventional["hit_rate"]
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_chunked_replay_under_pressure_keeps_every_invariant(policy, synthetic):
+    choice = policy_choice(policy, checkpoint_every=2)
+    cache = PrefixCache(deepseek_v4_flash(), pages_for_budget(deepseek_v4_flash(), 6 * GB,
+                                                              choice.window_ratio), choice.policy)
+    st = replay(cache, synthetic[:300], with_output=True, chunk_pages=8, check_every=25)
+    assert st.requests == 300 and st.cached_tokens > 0
+    assert sum(cache.evicted.values()) > 0  # the pressure was real
+    cache.flush()
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+def test_sizing_spends_the_budget_and_honours_the_window_ratio():
+    lay = deepseek_v4_pro(dtype="fp8")
+    pages = pages_for_budget(lay, 100 * GB, 0.1)
+    assert pages["swa"] == int(pages["c4"] * 0.1)
+    assert len({pages[n] for n in ("c4", "c4_index", "c128", "state")}) == 1
+    used = budget_bytes(pages, lay)
+    assert 0.99 * 100 * GB < used <= 100 * GB
+    with pytest.raises(ValueError, match="window_ratio"):
+        pages_for_budget(lay, GB, 0.0)
+
+
+def test_trace_tokens_share_exactly_the_shared_blocks():
+    a, b = load_trace(bundled_trace("conversation"), limit=2)
+    ta, tb = a.prompt_tokens(), b.prompt_tokens()
+    assert ta.size == a.input_length and tb.size == b.input_length
+    shared = next(i for i, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids, strict=False))
+                  if x != y)
+    prefix = np.flatnonzero(ta[:tb.size] != tb[:ta.size])[0]
+    assert prefix == shared * 512
+
+
+def test_a_bad_trace_line_is_named(tmp_path):
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+    for bad, why in [('{"timestamp": 1, "input_length": 10}', "output_length"),
+                     ("not json", "not a trace request"),
+                     ('{"timestamp": 1, "input_length": 600, "output_length": 1, '
+                      '"hash_ids": [1]}', "expected 2"),
+                     ('{"timestamp": 1, "input_length": 0, "output_length": 1, '
+                      '"hash_ids": []}', "input_length must be")]:
+        path = tmp_path / "t.jsonl"
+        path.write_text(good + bad + "\n")
+        with pytest.raises(TraceError, match=f"t.jsonl:2: .*{why}"):
+            load_trace(path)
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text("{}\n")
+    assert main(["simulate", str(path)]) == 2
+    assert "t.jsonl:1" in capsys.readouterr().err
+    assert main(["simulate", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["simulate", str(bundled_trace()), "--model", "llama"]) == 2
+    assert main(["simulate", str(bundled_trace()), "--sweep", "host-gb=1"]) == 2
+
+
+def test_cli_simulate_sweep_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    rc = main(["simulate", str(bundled_trace("synthetic")), "--model", "deepseek-v4-pro",
+               "--kv-dtype", "fp8", "--limit", "150", "--sweep", "device-gb=2,8",
+               "--policy", "shadowradix,no-shadows", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    runs = json.loads(out.read_text())
+    assert [(r["policy"], r["device_gb"]) for r in runs] == [
+        ("shadowradix", 2.0), ("no-shadows", 2.0), ("shadowradix", 8.0), ("no-shadows", 8.0)]
+    for key in ("requests", "prompt_tokens", "cached_tokens", "cached_by_tier", "hit_rate",
+                "bound_hit_rate", "seconds", "peak_pages", "bytes_moved"):
+        assert key in runs[0]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
