@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import assert_sound, serve, tiny_layout
+from helpers import assert_sound, page_key, serve, tiny_layout
 
 from shadowradix.layout import full_attention, sliding_window
 from shadowradix.tiers import PrefixCache
@@ -303,3 +303,28 @@ def test_tree_package_does_not_import_torch():
     code = ("import sys, shadowradix, shadowradix.tree, shadowradix.sim, shadowradix.tiers; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_split_during_insert_does_not_misroute_the_walk():
+    # [A B C] has children D and E. Inserting [A B D] (no match first, as for a request
+    # that was admitted before [A B C] existed) splits [A B | C] inside insert; the walk
+    # must stop there and not look for D under C, where D sits one page deeper.
+    cache, content = fresh()
+    a, b, c, d, e = 1, 2, 3, 4, 5
+
+    def insert_fresh(tokens: list[int]) -> None:
+        n = len(tokens) // PS
+        got = cache.alloc({p.name: n for p in cache.layout.pools})
+        own = np.stack([got[name] for name in cache.layout.pool_names])
+        for row in range(len(cache.layout.pools)):
+            for i, page in enumerate(own[row].tolist()):
+                content[row][page] = page_key(tokens, i, row, PS)
+        cache.insert(tokens, own)
+
+    for tokens in (seq(a, b, c, d), seq(a, b, c, e), seq(a, b, d)):
+        insert_fresh(tokens)
+        cache.check_integrity(held={})
+    for probe in (seq(a, b, c, d, 9), seq(a, b, d, 9), seq(a, b, c, e, 9)):
+        m = cache.match(probe)
+        assert m.prefix_len == len(probe) - PS
+        assert_sound(cache, probe, m, content)

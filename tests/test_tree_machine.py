@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from conftest import STEPS
 from helpers import assert_sound, common_prefix, needed_pages, page_key, tiny_layout
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -27,7 +28,7 @@ from shadowradix.tiers import PrefixCache
 from shadowradix.tree import CheckpointPolicy, LockHandle, MatchResult
 
 PS = 4
-# CI runs 10^4 steps on the main machine and 2,000 on each variant (50 steps a run);
+# CI runs over 10^4 steps on the main machine and ~1,500 on each variant (<= 50 a run);
 # SHADOWRADIX_HYPOTHESIS_SCALE=10 (or more) multiplies them for longer runs on demand.
 SCALE = float(os.environ.get("SHADOWRADIX_HYPOTHESIS_SCALE", "1"))
 
@@ -61,15 +62,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.open: list[Open] = []
         self.inserted: list[list[int]] = []
         self.history: list[list[int]] = []
+        self.steps = -1  # the invariants also run once before the first rule
 
     # ----------------------------------------------------------- requests
     def _tokens(self, data: st.DataObject) -> list[int]:
-        """Often a cut of an earlier sequence plus a new tail: that is where sharing lives."""
+        """Sharing is where bugs live: a cut of an earlier sequence plus a new tail, or
+        whole pages drawn from a tiny set (so the same page recurs at other depths)."""
         tail = data.draw(st.lists(st.integers(0, 3), max_size=14))
-        if self.history and data.draw(st.booleans()):
+        how = data.draw(st.sampled_from(["cut", "pages", "fresh"]))
+        if how == "cut" and self.history:
             base = data.draw(st.sampled_from(self.history))
             cut = data.draw(st.integers(0, len(base)))
             return base[:cut] + tail
+        if how == "pages":
+            pages = data.draw(st.lists(st.integers(0, 2), max_size=6))
+            return [p for p in pages for _ in range(PS)] + tail[:data.draw(st.integers(0, 3))]
         return tail
 
     @rule(data=st.data())
@@ -79,9 +86,14 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.history.append(tokens)
         cache, ps = self.cache, PS
-        m = cache.match(tokens)
-        assert_sound(cache, tokens, m, self.content)
-        if not self.bounded:
+        matched = data.draw(st.booleans())
+        if matched:
+            m = cache.match(tokens)
+            assert_sound(cache, tokens, m, self.content)
+        else:  # admitted before the tree held its prefix: computes everything, splits at insert
+            m = MatchResult(0, 0, np.empty((len(self.layout.pools), 0), np.int32),
+                            cache.tree.root)
+        if matched and not self.bounded:
             shared = max((common_prefix(tokens, s) for s in self.inserted), default=0)
             want = min(shared // ps, (len(tokens) - 1) // ps) * ps
             assert m.prefix_len == want, (m.prefix_len, want)
@@ -141,6 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------- invariants
     @invariant()
     def integrity(self) -> None:
+        self.steps += 1
         held: dict[str, list[np.ndarray]] = {name: [] for name in self.layout.pool_names}
         for req in self.open:
             for row, spec in enumerate(self.layout.pools):
@@ -162,6 +175,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """No leak: release everything, evict everything, and every pool is entirely free."""
+        STEPS[type(self).__name__] = STEPS.get(type(self).__name__, 0) + max(self.steps, 0)
         while self.open:
             self._release(self.open.pop())
         self.cache.flush()
@@ -209,7 +223,7 @@ def _test_case(machine: type[CacheMachine], runs: int = 40) -> type:
     return case
 
 
-TestCache = _test_case(CacheMachine, runs=200)
+TestCache = _test_case(CacheMachine, runs=280)
 TestWideWindow = _test_case(WideWindowMachine)
 TestEager = _test_case(EagerMachine)
 TestPeriodic = _test_case(PeriodicMachine)

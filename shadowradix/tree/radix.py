@@ -80,20 +80,8 @@ class ShadowRadix:
         tokens = as_tokens(tokens)
         ps = self.page_size
         cap = max(tokens.size - 1, 0) // ps
-        path: list[tuple[Node, int]] = []
-        node, depth = self.root, 0
-        while depth < cap:
-            child = node.children.get(tokens[depth * ps:(depth + 1) * ps].tobytes())
-            if child is None:
-                break
-            avail = min(child.n_pages, cap - depth)
-            eq = leading_equal_pages(child.tokens[:avail * ps],
-                                     tokens[depth * ps:(depth + avail) * ps], ps)
-            path.append((child, eq))
-            depth += eq
-            if eq < child.n_pages:
-                break
-            node = child
+        path = list(self._descend(tokens, cap))
+        depth = sum(eq for _, eq in path)
         if path:
             table = np.concatenate([n.pages[:, :eq] for n, eq in path], axis=1)
         else:
@@ -106,6 +94,27 @@ class ShadowRadix:
         if self.policy.branch_points and depth > resume:
             self._node_ending_at(path, depth).branch = True
         return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target)
+
+    def _descend(self, tokens: np.ndarray, limit: int) -> Iterator[tuple[Node, int]]:
+        """Walk down from the root along `tokens`, at most `limit` pages deep.
+
+        Yields (node, pages of it that match); the last one may match only a
+        head of its node (a mismatch or the limit), and then the walk ends.
+        """
+        ps = self.page_size
+        node, depth = self.root, 0
+        while depth < limit:
+            child = node.children.get(tokens[depth * ps:(depth + 1) * ps].tobytes())
+            if child is None:
+                return
+            avail = min(child.n_pages, limit - depth)
+            eq = leading_equal_pages(child.tokens[:avail * ps],
+                                     tokens[depth * ps:(depth + avail) * ps], ps)
+            whole = eq == child.n_pages  # read before yielding: the caller may split child
+            yield child, eq
+            if not whole:
+                return
+            node, depth = child, depth + eq
 
     def _node_ending_at(self, path: list[tuple[Node, int]], boundary: int) -> Node:
         """The node on `path` ending at page `boundary`, splitting one if needed."""
@@ -146,21 +155,10 @@ class ShadowRadix:
 
         segments: list[Node] = []
         node, depth = self.root, 0
-        while depth < n:
-            child = node.children.get(tokens[depth * ps:(depth + 1) * ps].tobytes())
-            if child is None:
-                break
-            avail = min(child.n_pages, n - depth)
-            eq = leading_equal_pages(child.tokens[:avail * ps],
-                                     tokens[depth * ps:(depth + avail) * ps], ps)
-            split = eq < child.n_pages
-            if split:
-                child = self._split(child, eq)
-            segments.append(child)
+        for child, eq in self._descend(tokens, n):
+            segments.append(child if eq == child.n_pages else self._split(child, eq))
             depth += eq
-            node = child
-            if split:
-                break
+            node = segments[-1]
         keep = self._keep_plan(n, [s.end_page for s in segments if s.branch], finished)
         to_free: list[np.ndarray] = []
         for seg in segments:
