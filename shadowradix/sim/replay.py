@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shadowradix.layout.spec import Retention
 from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.results import LockHandle
@@ -109,8 +108,8 @@ class _RunningRequest:
         self.done = prefix_len // ps
         self.full, self.total = seq.size // ps, -(-seq.size // ps)
         self.names = lay.pool_names
-        self.short = [r for r, p in enumerate(lay.pools) if p.retention is not Retention.ALL]
-        self.ckpt = {p.name for p in lay.pools if p.ratio is None}
+        self.short = cache.tree.short_lived_rows
+        self.ckpt = cache.tree.rule.checkpoint_names
         self.hold = cache.tree.rule.lock_pages
         # Own pages per pool for [done, total), -1 once handed over (or not yet allocated).
         self.own = np.full((len(self.names), self.total - self.done), -1, dtype=np.int32)
@@ -149,21 +148,27 @@ class _RunningRequest:
         t0 = time.perf_counter()
         cache, d = self.cache, self.done
         start = max(handed - self.hold, d)
-        pages = self.own[:, start - d:upto - d].copy()
-        if not final and self.hold:
-            pages[self.short, max(upto - self.hold, start) - start:] = -1
-        result = cache.insert(self.seq[:upto * cache.layout.page_size], pages, start,
-                              finished=final)
-        handed_now = pages >= 0
-        self.own[:, start - d:upto - d][handed_now] = -1
-        if final:
-            cache.free(self._private())
+        if final:  # everything goes to the tree but the partial last page
+            cache.insert(self.seq[:upto * cache.layout.page_size],
+                         self.own[:, start - d:upto - d], start)
+            if self.total > self.full:
+                last = self.own[:, -1]
+                cache.free({n: last[row:row + 1] for row, n in enumerate(self.names)
+                            if last[row] >= 0})
+            self.own = self.own[:, :0]
             cache.unlock(self.handle)
             self.st.inserted_pages += upto
-        else:
-            handle = cache.lock(result)  # lock the new prefix before letting the old go
-            cache.unlock(self.handle)
-            self.handle = handle
+            self.st.insert_s += time.perf_counter() - t0
+            return upto
+        pages = self.own[:, start - d:upto - d].copy()
+        if self.hold:
+            pages[self.short, max(upto - self.hold, start) - start:] = -1
+        result = cache.insert(self.seq[:upto * cache.layout.page_size], pages, start,
+                              finished=False)
+        self.own[:, start - d:upto - d][pages >= 0] = -1
+        handle = cache.lock(result)  # lock the new prefix before letting the old go
+        cache.unlock(self.handle)
+        self.handle = handle
         self.st.insert_s += time.perf_counter() - t0
         return upto
 
@@ -172,5 +177,5 @@ class _RunningRequest:
 
     def _abort(self) -> None:
         self.cache.free(self._private())
-        self.own[:] = -1
+        self.own = self.own[:, :0]
         self.cache.unlock(self.handle)

@@ -60,6 +60,7 @@ class ShadowRadix:
         self.n_pools = len(layout.pools)
         self._short_lived = [i for i, p in enumerate(layout.pools)
                              if p.retention is not Retention.ALL]
+        self.short_lived_rows = tuple(self._short_lived)  # WINDOW and CHECKPOINT rows
         self.root = self._new_node(np.empty(0, TOKEN), np.empty((self.n_pools, 0), PAGE), None, 0)
         self._clock = 0
         self._pages = [0] * self.n_pools  # pages held, per pool
@@ -149,9 +150,8 @@ class ShadowRadix:
         if not 0 <= start <= n or own.ndim != 2 or own.shape != (self.n_pools, n - start):
             raise ValueError(f"pages must be [{self.n_pools}, {n} - start] for start in [0, {n}]"
                              f", got {own.shape} with start={start}")
-        table = np.empty((self.n_pools, n), dtype=PAGE)
-        table[:, :start] = -1
-        table[:, start:] = own
+        table = own.astype(PAGE, copy=False) if start == 0 else np.concatenate(
+            (np.full((self.n_pools, start), -1, PAGE), own), axis=1)
 
         segments: list[Node] = []
         node, depth = self.root, 0

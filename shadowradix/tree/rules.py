@@ -24,6 +24,7 @@ class MatchRule:
     lock_pages: int  # pages before q that a lock at q must keep (window and state)
     prev_rows: list[int]  # rows that need exactly page q-1 (one-page windows, checkpoints)
     wide_windows: tuple[tuple[int, int], ...]  # windows spanning more than one page
+    checkpoint_names: frozenset[str]  # CHECKPOINT pools: one entry per full page
 
     @classmethod
     def of(cls, layout: KVLayout) -> MatchRule:
@@ -33,7 +34,8 @@ class MatchRule:
         lock = max([k for _, k in windows] + [1 if ckpt else 0])
         prev = [r for r, k in windows if k == 1] + list(ckpt)
         wide = tuple((r, k) for r, k in windows if k > 1)
-        return cls(list(layout.rows(Retention.ALL)), windows, ckpt, lock, prev, wide)
+        names = frozenset(layout.pools[r].name for r in ckpt)
+        return cls(list(layout.rows(Retention.ALL)), windows, ckpt, lock, prev, wide, names)
 
     @property
     def has_checkpoints(self) -> bool:
