@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-
-import numpy as np
+from typing import Any
 
 # Bytes per element for the dtypes a pool may hold. Names follow torch.
 DTYPE_BYTES: dict[str, int] = {
@@ -110,8 +109,7 @@ class PoolSpec:
             return 0
         return -(-(self.window - 1) // page_size)
 
-    def entry_index(self, page_table: np.ndarray, positions: np.ndarray,
-                    page_size: int) -> np.ndarray:
+    def entry_index(self, page_table: Any, positions: Any, page_size: int) -> Any:
         """Derived address of each position's entry: page * entries_per_page + offset.
 
         Works on numpy arrays and on torch tensors alike (only indexing and

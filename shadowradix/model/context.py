@@ -1,0 +1,74 @@
+"""What the model is handed for one request's forward: page tables, pool storage, state.
+
+The model never sees the tree. The engine gives it, per pool, the physical page
+of every logical page the request touches; addresses are derived from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shadowradix.layout.spec import KVLayout
+from shadowradix.pool.storage import PoolStorage
+
+
+@dataclass
+class CompressorState:
+    """A request's running compressor state for one layer and one series.
+
+    buffer_kv / buffer_gate: rows of the unfinished window (fewer than `ratio`).
+    overlap_kv / overlap_gate: the Ca half of the last full window (CSA only);
+    None before the first window closes.
+    """
+
+    buffer_kv: torch.Tensor
+    buffer_gate: torch.Tensor
+    overlap_kv: torch.Tensor | None = None
+    overlap_gate: torch.Tensor | None = None
+
+
+@dataclass
+class RequestKV:
+    """One request's view of the pools.
+
+    page_tables[pool]: long tensor, physical page of each logical page in [0, total pages).
+    states[(layer, series)]: compressor state ("compressor" or "indexer").
+    """
+
+    page_tables: dict[str, torch.Tensor]
+    states: dict[tuple[int, str], CompressorState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PagedStorage:
+    """The device pools' tensors plus the mapping from model layer to pool layer."""
+
+    layout: KVLayout
+    pools: dict[str, PoolStorage]
+    pool_layer: dict[tuple[str, int], int]  # (pool, model layer) -> layer index in that pool
+
+    @classmethod
+    def for_layer_types(cls, layout: KVLayout, pools: dict[str, PoolStorage],
+                        layer_types: list[str]) -> PagedStorage:
+        index: dict[tuple[str, int], int] = {}
+        counts = {"compressed_sparse_attention": 0, "heavily_compressed_attention": 0}
+        for i, kind in enumerate(layer_types):
+            index[("swa", i)] = i
+            if kind in counts:
+                names = (("c4", "c4_index", "state") if kind == "compressed_sparse_attention"
+                         else ("c128",))
+                for name in names:
+                    index[(name, i)] = counts[kind]
+                counts[kind] += 1
+        return cls(layout, pools, index)
+
+    def flat(self, pool: str, layer: int) -> torch.Tensor:
+        """Entries of `pool` for model layer `layer`, as [pages * entries_per_page, *entry]."""
+        return self.pools[pool].flat(self.pool_layer[(pool, layer)])
+
+    def address(self, pool: str, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat entry index of each token position (DESIGN.md §2: derived, never stored)."""
+        spec = self.layout.pool(pool)
+        return spec.entry_index(table, positions, self.layout.page_size)
