@@ -10,5 +10,16 @@ from shadowradix.tree import CheckpointPolicy, ShadowRadix
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointPolicy", "KVLayout", "PoolSpec", "PrefixCache", "Retention", "ShadowRadix",
-           "__version__"]
+__all__ = ["CacheConfig", "CheckpointPolicy", "Engine", "KVLayout", "PoolSpec", "PrefixCache",
+           "Retention", "SamplingParams", "ShadowRadix", "__version__"]
+
+_ENGINE = {"Engine", "CacheConfig", "SamplingParams"}
+
+
+def __getattr__(name: str) -> object:
+    """The engine needs torch and transformers: import it only when asked for."""
+    if name in _ENGINE:
+        from shadowradix import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'shadowradix' has no attribute {name!r}")

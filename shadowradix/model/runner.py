@@ -6,6 +6,7 @@ weights; only attention goes through `paged_attention`.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -35,10 +36,25 @@ class DeepseekV4Runner:
     def forward(self, input_ids: torch.Tensor, start: int, store: PagedStorage,
                 req: RequestKV) -> torch.Tensor:
         """Logits [L, vocab] for tokens `input_ids` [L] at positions [start, start + L)."""
+        return self.forward_batch([(input_ids, start, req)], store)[0]
+
+    @torch.no_grad()
+    def forward_batch(self, segments: list[tuple[torch.Tensor, int, RequestKV]],
+                      store: PagedStorage) -> list[torch.Tensor]:
+        """One step over several requests' chunks (prefill chunks and decode tokens).
+
+        Every per-token module (embedding, mHC, MoE, norms, head) runs once over all
+        tokens of the step; attention runs per request over its own page tables.
+        Returns each segment's logits [L_i, vocab].
+        """
         model = self.hf.model
-        L = input_ids.shape[0]
-        positions = torch.arange(start, start + L, device=input_ids.device)
-        embeds = model.embed_tokens(input_ids[None])
+        ids = torch.cat([seg[0] for seg in segments])
+        positions = torch.cat([torch.arange(start, start + seg.shape[0], device=ids.device)
+                               for seg, start, _ in segments])
+        bounds = [0]
+        for seg, _, _ in segments:
+            bounds.append(bounds[-1] + seg.shape[0])
+        embeds = model.embed_tokens(ids[None])
         hidden = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         rope = {kind: model.rotary_emb(embeds, position_ids=positions[None], layer_type=kind)
                 for kind in ("main", "compress")}
@@ -46,13 +62,17 @@ class DeepseekV4Runner:
             attn = layer.self_attn
             dtype = hidden.dtype
             post, comb, collapsed = layer.attn_hc(hidden)
-            out = paged_attention(attn, layer.input_layernorm(collapsed)[0], positions,
-                                  rope[attn.rope_layer_type], store, req)
+            normed = layer.input_layernorm(collapsed)[0]
+            cos, sin = rope[attn.rope_layer_type]
+            out = torch.cat([
+                paged_attention(attn, normed[a:b], positions[a:b],
+                                (cos[:, a:b], sin[:, a:b]), store, req)
+                for (a, b), (_, _, req) in zip(pairwise(bounds), segments, strict=True)])
             hidden = post.to(dtype).unsqueeze(-1) * out[None].unsqueeze(-2) + torch.matmul(
                 comb.to(dtype).transpose(-1, -2), hidden)
             post, comb, collapsed = layer.ffn_hc(hidden)
-            mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=input_ids[None])
+            mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids[None])
             hidden = post.to(dtype).unsqueeze(-1) * mlp.unsqueeze(-2) + torch.matmul(
                 comb.to(dtype).transpose(-1, -2), hidden)
-        hidden = model.norm(model.hc_head(hidden))
-        return self.hf.lm_head(hidden)[0].float()
+        logits = self.hf.lm_head(model.norm(model.hc_head(hidden)))[0].float()
+        return [logits[a:b] for a, b in pairwise(bounds)]

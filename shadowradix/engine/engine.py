@@ -1,0 +1,183 @@
+"""The public Engine: DeepSeek-V4 generation through ShadowRadix (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+import torch
+
+from shadowradix.engine.config import CacheConfig, SamplingParams
+from shadowradix.engine.request import Request, Result
+from shadowradix.engine.sampling import sample
+from shadowradix.engine.scheduler import Scheduler
+from shadowradix.layout import deepseek_v4
+from shadowradix.model import DeepseekV4Runner, PagedStorage
+from shadowradix.tiers.prefix_cache import PrefixCache
+
+TIERS = ("device", "host", "storage")
+
+
+class CacheControl:
+    """`engine.cache`: operations on the cache tiers."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self._cache = cache
+
+    def flush(self, tiers: Sequence[str] = ("device",)) -> None:
+        """Drop every unlocked page from the named tiers. Raises ValueError on a bad name."""
+        bad = [t for t in tiers if t not in TIERS]
+        if bad:
+            raise ValueError(f"unknown tiers {bad}; use names from {TIERS}")
+        if "device" in tiers:
+            self._cache.flush()  # host and storage tiers do not exist yet: nothing to drop
+
+
+class Engine:
+    """Runs a DeepSeek-V4 model with every KV form in ShadowRadix pools.
+
+    generate() takes token id lists and returns Results whose logits equal
+    transformers' uncached forward within float32 rounding, whatever the cache
+    served. Bad input raises ValueError before any state changes.
+    """
+
+    def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512) -> None:
+        cfg = hf_model.config
+        if getattr(cfg, "model_type", None) != "deepseek_v4":
+            raise ValueError(f"expected a DeepSeek-V4 model, got {getattr(cfg, 'model_type', cfg)}")
+        dtype = next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.layout = deepseek_v4(cfg, config.page_size, str(dtype).removeprefix("torch."))
+        self.config = config
+        self.vocab_size = int(cfg.vocab_size)
+        eos = cfg.eos_token_id
+        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        self._prefix = PrefixCache(self.layout, config.device_tokens // config.page_size,
+                                   device=self.device)
+        pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
+        self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
+                                                  list(cfg.layer_types))
+        self.runner = DeepseekV4Runner(hf_model.eval())
+        self.scheduler = Scheduler(self._prefix, step_tokens, self.device)
+        self.cache = CacheControl(self._prefix)
+        self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                          "prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self._closed = False
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, config: CacheConfig, **kwargs: Any) -> Engine:
+        return cls(hf_model, config, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: CacheConfig, dtype: torch.dtype = torch.float32,
+                        device: str = "cpu", **kwargs: Any) -> Engine:
+        """Load an HF-format checkpoint directory (config.json + safetensors)."""
+        from transformers import DeepseekV4ForCausalLM
+
+        model: Any = DeepseekV4ForCausalLM.from_pretrained(path, dtype=dtype)
+        model = model.to(device)
+        return cls(model, config, **kwargs)
+
+    # -------------------------------------------------------------- generate
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 return_logits: bool = False) -> list[Result]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        plist = self._check(prompts, params)
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
+            req = Request(i, [int(t) for t in prompt], len(prompt), p, gen)
+            if not self.scheduler.fits_ever(req):
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens + max_new_tokens {p.max_new_tokens} need "
+                    f"{req.pages_needed(self.config.page_size)} pages; the device pools hold "
+                    f"{self.config.device_tokens // self.config.page_size}")
+            requests.append(req)
+        self.scheduler.waiting.extend(requests)
+        while any(not r.done for r in requests):
+            self._step()
+        return [self._result(r, return_logits) for r in requests]
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        sched.admit()
+        chunks = sched.plan()
+        if not chunks:
+            raise RuntimeError("no request can run: pools exhausted by locked pages")
+        segments = []
+        for c in chunks:
+            assert c.request.kv is not None
+            ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
+            if c.start == c.request.cached and c.start:  # first chunk after a cache hit
+                self.runner.resume(self.store, c.request.kv, c.start // self.config.page_size)
+            segments.append((ids, c.start, c.request.kv))
+        outputs = self.runner.forward_batch(segments, self.store)
+        self._counters["steps"] += 1
+        for c, logits in zip(chunks, outputs, strict=True):
+            req = c.request
+            decoding = not req.prefilling
+            req.computed = c.end
+            self._counters["decode_tokens" if decoding else "prefill_tokens"] += c.end - c.start
+            if req.prefilling:
+                continue
+            row = logits[-1]
+            token = sample(row, req.params, req.generator)
+            req.logits.append(row.cpu())
+            req.ids.append(token)
+            if len(req.outputs) >= req.params.max_new_tokens or (
+                    not req.params.ignore_eos and token in self.eos):
+                req.done = True
+                sched.finish(req)
+
+    def _result(self, req: Request, return_logits: bool) -> Result:
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += req.prompt_len
+        self._counters["cached_tokens"] += req.cached
+        logits = torch.stack(req.logits) if return_logits else None
+        return Result(req.outputs, logits, req.cached,
+                      {"device": req.cached, "host": 0, "storage": 0})
+
+    def _check(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of token id lists")
+        if not prompts:
+            raise ValueError("prompts is empty")
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence | torch.Tensor):
+                raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt)}")
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, Integral | torch.Tensor):
+                    raise ValueError(f"prompt {i}: token {t!r} is not an integer id")
+                if not 0 <= int(t) < self.vocab_size:
+                    raise ValueError(f"prompt {i}: token id {int(t)} is outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        plist = list(params)
+        if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        return plist
+
+    # ---------------------------------------------------------------- status
+    def stats(self) -> dict[str, Any]:
+        cache = self._prefix.stats()
+        return {
+            **self._counters,
+            "hits": {"device": self._counters["cached_tokens"], "host": 0, "storage": 0},
+            "pools": cache["pools"],
+            "nodes": cache["nodes"],
+            "storage_errors": 0,
+            "hisparse": {"hits": 0, "misses": 0, "bytes_moved": 0},
+        }
+
+    def close(self) -> None:
+        """Stop accepting work. (No background copies exist yet: nothing to wait for.)"""
+        self._closed = True
