@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python benchmarks/tree_ops.py data/traces/conversation_trace.jsonl.gz \
 		--layout deepseek-v4-flash --page-size 256 --capacity-tokens 2000000 \
 		--json out/tree_ops_dsv4_flash.json
+	$(BIN)/python benchmarks/engine.py --json out/engine.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis

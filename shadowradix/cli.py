@@ -11,7 +11,7 @@ from typing import Any
 
 from shadowradix.layout import LAYOUT_NAMES, named_layout
 from shadowradix.sim.simulate import POLICY_NAMES, bound_hit_rate, policy_choice, simulate
-from shadowradix.sim.trace import TraceError, bundled_trace, load_trace
+from shadowradix.sim.trace import TraceError, load_trace
 
 SIMULATE_HELP = """\
 Replay a Mooncake-format trace through the real ShadowRadix tree (metadata-only
@@ -30,8 +30,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shadowradix", description="KV cache for hybrid-attention "
                                  "LLMs: ShadowRadix, HiCache, HiSparse.")
     sub = ap.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="replay the bundled conversation trace (embedded defaults)")
-    demo.add_argument("--limit", type=int, default=None, help="first N requests only")
+    demo = sub.add_parser("demo", help="serve the bundled conversation trace through the engine "
+                          "on a tiny DeepSeek-V4 and check it against transformers")
+    demo.add_argument("--requests", type=int, default=64,
+                      help="requests: the first 4 turns of N/4 conversations of the trace")
+    demo.add_argument("--block-tokens", type=int, default=16,
+                      help="tokens per 512-token trace block (scales the trace to the CPU)")
     sim = sub.add_parser("simulate", help="capacity planning on a trace",
                          description=SIMULATE_HELP, formatter_class=argparse.RawTextHelpFormatter)
     sim.add_argument("trace", help="Mooncake-format JSONL (.jsonl or .jsonl.gz)")
@@ -66,14 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    trace = bundled_trace("conversation")
-    print(f"Replaying {trace.name} through ShadowRadix: DeepSeek-V4-Flash layout (bf16, "
-          "page 256), 40 GB of device pools, every policy at equal bytes.")
-    return _simulate(argparse.Namespace(
-        trace=trace, model="deepseek-v4-flash", kv_dtype="bfloat16", device_gb=40.0,
-        host_gb=0.0, storage_gb=0.0, page_size=256, checkpoint_every=8, window_ratio=0.1,
-        chunk_pages=32, policy=",".join(POLICY_NAMES), sweep=None, unbounded=False,
-        limit=args.limit, json=None, plot=None))
+    if args.requests < 1 or args.block_tokens < 1:
+        raise ValueError("--requests and --block-tokens must be >= 1")
+    from shadowradix.demo import run_demo
+
+    return run_demo(args.requests, args.block_tokens)
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import LOGIT_DIFFS  # noqa: E402
 from tiny_model import CSA, HCA, SWA, reference_logits, tiny_model  # noqa: E402
 
 from shadowradix import CacheConfig, Engine, SamplingParams  # noqa: E402
@@ -23,6 +24,7 @@ def check(model, prompt, result) -> float:
     n = len(result.output_ids)
     ref = reference_logits(model, prompt + result.output_ids)[len(prompt) - 1:len(prompt) - 1 + n]
     diff = (ref - result.logits).abs().max().item()
+    LOGIT_DIFFS.append(diff)
     assert diff <= TOL, diff
     assert result.logits.dtype == torch.float32 and result.logits.shape == ref.shape
     assert sum(result.cached_by_tier.values()) == result.cached_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
@@ -61,8 +62,9 @@ class Engine:
         self.runner = DeepseekV4Runner(hf_model.eval())
         self.scheduler = Scheduler(self._prefix, step_tokens, self.device)
         self.cache = CacheControl(self._prefix)
-        self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                          "prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self._counters: dict[str, float] = {
+            "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
+            "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0}
         self._closed = False
 
     @classmethod
@@ -102,6 +104,7 @@ class Engine:
         return [self._result(r, return_logits) for r in requests]
 
     def _step(self) -> None:
+        t_step = time.perf_counter()
         sched = self.scheduler
         sched.admit()
         chunks = sched.plan()
@@ -114,7 +117,9 @@ class Engine:
             if c.start == c.request.cached and c.start:  # first chunk after a cache hit
                 self.runner.resume(self.store, c.request.kv, c.start // self.config.page_size)
             segments.append((ids, c.start, c.request.kv))
+        t_forward = time.perf_counter()
         outputs = self.runner.forward_batch(segments, self.store)
+        self._counters["forward_seconds"] += time.perf_counter() - t_forward
         self._counters["steps"] += 1
         for c, logits in zip(chunks, outputs, strict=True):
             req = c.request
@@ -131,6 +136,7 @@ class Engine:
                     not req.params.ignore_eos and token in self.eos):
                 req.done = True
                 sched.finish(req)
+        self._counters["step_seconds"] += time.perf_counter() - t_step
 
     def _result(self, req: Request, return_logits: bool) -> Result:
         self._counters["requests"] += 1
