@@ -16,34 +16,14 @@ import numpy as np
 
 from shadowradix.sim.trace import TraceRequest, bundled_trace, load_trace
 
-CSA, HCA, SWA = ("compressed_sparse_attention", "heavily_compressed_attention",
-                 "sliding_attention")
-
 
 def tiny_deepseek_v4(seed: int = 0) -> Any:
-    """A small random DeepSeek-V4 that stays faithful (DESIGN.md §1): 16 indexer heads,
-    randomised sinks, position biases and hash-routing table."""
-    import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    """The demo's model: a little wider than the tests' (vocab 1024, 4 layers)."""
+    from shadowradix.model.tiny import tiny_deepseek_v4 as build
 
-    torch.manual_seed(seed)
-    cfg = DeepseekV4Config(
-        vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-        head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=32, index_n_heads=16,
-        index_head_dim=32, index_topk=16, sliding_window=32,
-        compress_rates={CSA: 4, HCA: 16}, layer_types=[SWA, CSA, HCA, CSA],
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, hc_mult=2,
-        max_position_embeddings=65536, partial_rotary_factor=0.25)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for mod in model.modules():
-            if hasattr(mod, "sinks"):
-                mod.sinks.normal_()
-            if hasattr(mod, "position_bias"):
-                mod.position_bias.normal_()
-            if hasattr(mod, "tid2eid"):
-                mod.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, mod.tid2eid.shape))
-    return model
+    return build(seed, vocab_size=1024, hidden_size=128, head_dim=64, q_lora_rank=64,
+                 o_lora_rank=32, index_head_dim=32, index_topk=16, sliding_window=32,
+                 n_routed_experts=8, moe_intermediate_size=64)
 
 
 def scaled_prompt(req: TraceRequest, block_tokens: int, vocab: int) -> list[int]:

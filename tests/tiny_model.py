@@ -8,35 +8,14 @@ import torch
 
 from shadowradix.layout import deepseek_v4
 from shadowradix.model import DeepseekV4Runner, PagedStorage, RequestKV
+from shadowradix.model.tiny import CSA, HCA, SWA, tiny_deepseek_v4
 from shadowradix.tiers import PrefixCache
-
-CSA, HCA, SWA = ("compressed_sparse_attention", "heavily_compressed_attention",
-                 "sliding_attention")
 
 
 def tiny_model(layer_types: list[str] | None = None, window: int = 8, hca_ratio: int = 16,
                seed: int = 0):
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    torch.manual_seed(seed)
-    layer_types = layer_types or [SWA, CSA, HCA, CSA]
-    cfg = DeepseekV4Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-        index_n_heads=16, index_head_dim=16, index_topk=4, sliding_window=window,
-        compress_rates={CSA: 4, HCA: hca_ratio}, layer_types=layer_types,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2,
-        max_position_embeddings=4096, partial_rotary_factor=0.25)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # HF's init zeroes these; zeros hide addressing bugs
-        for mod in model.modules():
-            if hasattr(mod, "sinks"):
-                mod.sinks.normal_()
-            if hasattr(mod, "position_bias"):
-                mod.position_bias.normal_()
-            if hasattr(mod, "tid2eid"):
-                mod.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, mod.tid2eid.shape))
-    return model
+    return tiny_deepseek_v4(seed, layer_types=layer_types or [SWA, CSA, HCA, CSA],
+                            sliding_window=window, compress_rates={CSA: 4, HCA: hca_ratio})
 
 
 @torch.no_grad()

@@ -91,10 +91,6 @@ def _state(req: RequestKV, layer: int, series: str, module: Any,
     return req.states[key]
 
 
-def _first_window(start: int, state_rows: int) -> int:
-    return start - state_rows
-
-
 def _emit(module: Any, series: str, pool: str, hidden: torch.Tensor,
           positions: torch.Tensor, store: PagedStorage, req: RequestKV, layer: int,
           overlap: bool, read_all: bool = True) -> tuple[torch.Tensor | None, int, int,
@@ -103,7 +99,7 @@ def _emit(module: Any, series: str, pool: str, hidden: torch.Tensor,
     `read_all`, else None; first new window; entry count; overlaps)."""
     ratio = module.compress_rate
     state = _state(req, layer, series, module, hidden)
-    first = _first_window(int(positions[0]), state.buffer_kv.shape[0])
+    first = int(positions[0]) - state.buffer_kv.shape[0]  # the unfinished window's start
     new, overlaps = compress(module, hidden, state, first, overlap)
     flat = store.flat(pool, layer)
     table = req.page_tables[pool]
