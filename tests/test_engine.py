@@ -174,7 +174,6 @@ def test_invalid_sampling_params(kwargs, match):
     (dict(page_size=0), "page_size"),
     (dict(page_size=16, device_tokens=8), "device_tokens"),
     (dict(host_tokens=1024), "host"),
-    (dict(storage="file:///tmp/x"), "storage"),
     (dict(hisparse_buffer=64), "HiSparse"),
 ])
 def test_invalid_cache_config(kwargs, match):

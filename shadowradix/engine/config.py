@@ -11,8 +11,9 @@ class CacheConfig:
 
     page_size: tokens per logical page (a multiple of every compression ratio).
     device_tokens: L1 capacity in logical tokens; every pool is sized from it.
-    host_tokens / storage / hisparse_buffer: the HiCache and HiSparse tiers
-        (not built yet: must stay 0 / None).
+    storage: L3, "file:///dir" or "redis://host:port/db": computed pages are written
+        through, and a request that misses the device loads what it can from there.
+    host_tokens / hisparse_buffer: the host tier and HiSparse (not built yet: 0 / None).
     """
 
     page_size: int = 256
@@ -29,8 +30,10 @@ class CacheConfig:
                              f"got {self.device_tokens!r}")
         if self.host_tokens:
             raise ValueError("host_tokens: the host tier (HiCache) is not available yet; use 0")
-        if self.storage is not None:
-            raise ValueError("storage: the storage tier (HiCache) is not available yet; use None")
+        if self.storage is not None and not self.storage.startswith(
+                ("file://", "redis://", "rediss://")):
+            raise ValueError(f"storage must be None, 'file:///DIR' or 'redis://HOST:PORT/DB', "
+                             f"got {self.storage!r}")
         if self.hisparse_buffer is not None:
             raise ValueError("hisparse_buffer: HiSparse is not available yet; use None")
 

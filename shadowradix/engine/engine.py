@@ -16,6 +16,8 @@ from shadowradix.engine.scheduler import Scheduler
 from shadowradix.layout import deepseek_v4
 from shadowradix.model import DeepseekV4Runner, PagedStorage
 from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tiers.storage import open_storage
+from shadowradix.tiers.storage_tier import StorageTier
 
 TIERS = ("device", "host", "storage")
 
@@ -60,11 +62,15 @@ class Engine:
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(cfg.layer_types))
         self.runner = DeepseekV4Runner(hf_model.eval())
-        self.scheduler = Scheduler(self._prefix, step_tokens, self.device)
+        self.storage = None
+        if config.storage is not None:
+            self.storage = StorageTier(open_storage(config.storage), self._prefix.pools)
+        self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage)
         self.cache = CacheControl(self._prefix)
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
-            "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0}
+            "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,
+            "storage_tokens": 0}
         self._closed = False
 
     @classmethod
@@ -143,8 +149,10 @@ class Engine:
         self._counters["prompt_tokens"] += req.prompt_len
         self._counters["cached_tokens"] += req.cached
         logits = torch.stack(req.logits) if return_logits else None
+        self._counters["storage_tokens"] += req.from_storage
         return Result(req.outputs, logits, req.cached,
-                      {"device": req.cached, "host": 0, "storage": 0})
+                      {"device": req.cached - req.from_storage, "host": 0,
+                       "storage": req.from_storage})
 
     def _check(self, prompts: Sequence[Sequence[int]],
                params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
@@ -177,13 +185,18 @@ class Engine:
         cache = self._prefix.stats()
         return {
             **self._counters,
-            "hits": {"device": self._counters["cached_tokens"], "host": 0, "storage": 0},
+            "hits": {"device": self._counters["cached_tokens"] - self._counters["storage_tokens"],
+                     "host": 0, "storage": self._counters["storage_tokens"]},
             "pools": cache["pools"],
             "nodes": cache["nodes"],
-            "storage_errors": 0,
+            "storage_errors": self.storage.errors if self.storage else 0,
+            "storage_bytes": {"read": self.storage.bytes_read if self.storage else 0,
+                              "written": self.storage.bytes_written if self.storage else 0},
             "hisparse": {"hits": 0, "misses": 0, "bytes_moved": 0},
         }
 
     def close(self) -> None:
-        """Stop accepting work. (No background copies exist yet: nothing to wait for.)"""
+        """Stop accepting work and close the storage backend (writes are synchronous)."""
         self._closed = True
+        if self.storage is not None:
+            self.storage.backend.close()

@@ -39,7 +39,8 @@ class Request:
     handle: LockHandle | None = None
     kv: RequestKV | None = None
     own: dict[str, np.ndarray] = field(default_factory=dict)  # pages allocated to it
-    cached: int = 0
+    cached: int = 0  # tokens served from cache, any tier
+    from_storage: int = 0  # of those, loaded from L3
     computed: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
     done: bool = False

@@ -17,6 +17,7 @@ import torch
 from shadowradix.engine.request import Request
 from shadowradix.model.context import RequestKV
 from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tiers.storage_tier import StorageTier
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,14 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, step_tokens: int, device: torch.device) -> None:
+    def __init__(self, cache: PrefixCache, step_tokens: int, device: torch.device,
+                 storage: StorageTier | None = None) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.cache = cache
         self.step_tokens = step_tokens
         self.device = device
+        self.storage = storage
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -58,6 +61,13 @@ class Scheduler:
                 self.cache.unlock(handle)
                 return  # waits for running requests to finish and free pages
             self.waiting.popleft()
+            prompt = np.asarray(req.ids[:req.prompt_len], dtype=np.int32)
+            resume = done
+            if self.storage is not None:
+                q = self.storage.probe(prompt, m.page_table, (req.prompt_len - 1) // ps)
+                if q > done and self.storage.load(
+                        prompt, done, q, {n: got[n][:q - done] for n in got}):
+                    resume = q
             tables = {}
             for row, name in enumerate(self.cache.layout.pool_names):
                 table = np.empty(total, dtype=np.int64)
@@ -66,7 +76,8 @@ class Scheduler:
                 tables[name] = torch.from_numpy(table).to(self.device)
             req.match, req.handle, req.own = m, handle, got
             req.kv = RequestKV(tables)
-            req.cached = req.computed = m.prefix_len
+            req.cached = req.computed = resume * ps
+            req.from_storage = (resume - done) * ps
             self.running.append(req)
 
     def plan(self) -> list[Chunk]:
@@ -87,8 +98,13 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """Hand the request's computed full pages to the tree; free the rest; unlock."""
         ps = self.page_size
-        done = req.cached // ps
+        assert req.match is not None
+        done = req.match.prefix_len // ps  # borrowed from the device tree
+        loaded = req.cached // ps  # [done, loaded) came from storage, [loaded, full) computed
         full = req.computed // ps
+        if self.storage is not None:  # write-through of what this request computed
+            self.storage.save(np.asarray(req.ids[:full * ps], dtype=np.int32), loaded, full,
+                              {n: p[loaded - done:full - done] for n, p in req.own.items()})
         own = np.stack([req.own[name][:full - done] for name in self.cache.layout.pool_names])
         self.cache.insert(req.ids[:full * ps], own, done)
         self.cache.free({name: pages[full - done:] for name, pages in req.own.items()})

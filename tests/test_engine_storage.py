@@ -1,0 +1,92 @@
+"""L3 through the engine: a fresh Engine over the same store hits exactly; faults are misses."""
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_engine import check, rand_tokens  # noqa: E402
+from tiny_model import tiny_model  # noqa: E402
+
+from shadowradix import CacheConfig, Engine, SamplingParams  # noqa: E402
+
+P = SamplingParams(max_new_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def two_engines(model, url: str, prompt: list[int]):
+    """Engine 1 serves `prompt` and writes through; engine 2 (empty device) gets turn 2."""
+    cfg = CacheConfig(page_size=16, device_tokens=2048, storage=url)
+    first = Engine.from_hf(model, cfg)
+    r1 = first.generate([prompt], P)[0]
+    first.close()
+    second = Engine.from_hf(model, cfg)
+    turn2 = prompt + r1.output_ids + rand_tokens(9, 99)
+    return second, turn2
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_a_fresh_engine_hits_from_storage_exactly(model, tmp_path, redis_url, backend):
+    url = f"file://{tmp_path / 'l3'}" if backend == "file" else redis_url.url
+    prompt = rand_tokens(75, 40)
+    eng, turn2 = two_engines(model, url, prompt)
+    r = eng.generate([turn2], P, return_logits=True)[0]
+    assert r.cached_by_tier == {"device": 0, "host": 0, "storage": 64}
+    check(model, turn2, r)
+    again = eng.generate([turn2], P, return_logits=True)[0]  # now the device tree has it
+    assert again.cached_by_tier["device"] == 80 and again.cached_by_tier["storage"] == 0
+    check(model, turn2, again)
+    assert eng.stats()["hits"]["storage"] == 64 and eng.stats()["storage_errors"] == 0
+
+
+def test_corrupt_or_truncated_objects_mean_recompute(model, tmp_path):
+    root = tmp_path / "l3"
+    eng, turn2 = two_engines(model, f"file://{root}", rand_tokens(75, 41))
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file())
+    files[0].write_bytes(files[0].read_bytes()[:-7])
+    data = bytearray(files[1].read_bytes())
+    data[-1] ^= 0x55
+    files[1].write_bytes(bytes(data))
+    r = eng.generate([turn2], P, return_logits=True)[0]
+    check(model, turn2, r)  # exact whatever storage held
+    assert r.cached_by_tier["storage"] < 64
+    assert eng.stats()["storage_errors"] >= 1
+
+
+def test_unwritable_store_and_full_cap_keep_requests_exact(model, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048,
+                                            storage=f"file://{blocker}"))
+    prompt = rand_tokens(50, 42)
+    check(model, prompt, eng.generate([prompt], P, return_logits=True)[0])
+    assert eng.stats()["storage_errors"] >= 1
+
+
+def test_server_killed_mid_run_requests_complete_exactly(model, redis_url):
+    eng, turn2 = two_engines(model, redis_url.url, rand_tokens(75, 43))
+    redis_url.stop()
+    r = eng.generate([turn2], P, return_logits=True)[0]
+    check(model, turn2, r)
+    assert r.cached_by_tier["storage"] == 0 and eng.stats()["storage_errors"] >= 1
+    eng.close()
+
+
+def test_bad_storage_url_is_refused():
+    with pytest.raises(ValueError, match="storage must be"):
+        CacheConfig(storage="s3://bucket")
