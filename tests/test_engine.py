@@ -206,3 +206,24 @@ def test_stats_report_hits_pools_and_hisparse(model):
     assert st["hits"]["device"] == 32 and st["requests"] == 2
     assert set(st["pools"]) == {"swa", "c4", "c4_index", "c128", "state"}
     assert st["hisparse"] == {"hits": 0, "misses": 0, "bytes_moved": 0}
+
+
+def test_an_interrupted_generate_leaves_nothing_locked_or_allocated(model, monkeypatch):
+    eng = engine(model)
+    calls = {"n": 0}
+    original = eng.runner.forward_batch
+
+    def failing(segments, store):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(segments, store)
+
+    monkeypatch.setattr(eng.runner, "forward_batch", failing)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate([rand_tokens(40, 50), rand_tokens(30, 51)], GREEDY)
+    monkeypatch.setattr(eng.runner, "forward_batch", original)
+    eng._prefix.check_integrity(held={})  # every page is the tree's or free: none leaked
+    assert all(p["locked"] == 0 for p in eng.stats()["pools"].values())
+    prompt = rand_tokens(40, 50)
+    check(model, prompt, eng.generate([prompt], GREEDY, return_logits=True)[0])

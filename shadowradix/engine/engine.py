@@ -105,8 +105,12 @@ class Engine:
                     f"{self.config.device_tokens // self.config.page_size}")
             requests.append(req)
         self.scheduler.waiting.extend(requests)
-        while any(not r.done for r in requests):
-            self._step()
+        try:
+            while any(not r.done for r in requests):
+                self._step()
+        except BaseException:
+            self.scheduler.abort(requests)  # leave no lock or page behind (KeyboardInterrupt too)
+            raise
         return [self._result(r, return_logits) for r in requests]
 
     def _step(self) -> None:

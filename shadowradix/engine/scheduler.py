@@ -95,6 +95,18 @@ class Scheduler:
                 budget -= end - req.computed
         return chunks
 
+    def abort(self, requests: list[Request]) -> None:
+        """Drop these requests: free their pages, release their locks, forget them."""
+        for req in requests:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.cache.free(req.own)
+                assert req.handle is not None
+                self.cache.unlock(req.handle)
+                req.own, req.kv, req.handle = {}, None, None
+                self.running.remove(req)
+
     def finish(self, req: Request) -> None:
         """Hand the request's computed full pages to the tree; free the rest; unlock."""
         ps = self.page_size
