@@ -37,6 +37,7 @@ bench: install
 		--layout deepseek-v4-flash --page-size 256 --capacity-tokens 2000000 \
 		--json out/tree_ops_dsv4_flash.json
 	$(BIN)/python benchmarks/engine.py --json out/engine.json
+	$(BIN)/python benchmarks/tiers.py --json out/tiers.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
