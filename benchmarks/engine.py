@@ -13,13 +13,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import write_json
 
 from shadowradix.demo import conversations, scaled_prompt, tiny_deepseek_v4
 from shadowradix.engine import CacheConfig, Engine, SamplingParams
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['context']:>7,}   {r['decode_ms']:>14.2f}   {r['ratio_to_first']:>14.2f}")
     print(f"batch {ov['batch']} decode: {ov['steps']} steps, scheduler + cache overhead "
           f"{ov['overhead_share']:.1%} of step time")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from common import write_json
 from redis_server import RedisServer
 
 from shadowradix.tiers.storage import FileBackend, RedisBackend, object_key
@@ -126,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for setup, row in mt.items():
         print(f"multi-turn, 1K-token device tier, {setup}: prefill {row['prefill_tokens']:,} "
               f"tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

@@ -12,12 +12,12 @@ and the bare cost of expanding the trace into tokens (time).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from common import write_json
 
 from shadowradix.layout import LAYOUT_NAMES, named_layout
 from shadowradix.sim import load_trace, replay
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "leak_pages_after_flush": leak, "leak_free": not any(leak.values()),
     }
     print_table(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0 if result["leak_free"] else 1
 
 

@@ -1,14 +1,11 @@
 """The public Engine against transformers' uncached forward (DESIGN.md §4 correctness bar)."""
 
 import pytest
+import torch
+from conftest import LOGIT_DIFFS
+from tiny_model import CSA, HCA, SWA, reference_logits, tiny_model
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from conftest import LOGIT_DIFFS  # noqa: E402
-from tiny_model import CSA, HCA, SWA, reference_logits, tiny_model  # noqa: E402
-
-from shadowradix import CacheConfig, Engine, SamplingParams  # noqa: E402
+from shadowradix import CacheConfig, Engine, SamplingParams
 
 TOL = 1e-4
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)

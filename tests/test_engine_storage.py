@@ -3,14 +3,10 @@
 from pathlib import Path
 
 import pytest
+from test_engine import check, rand_tokens
+from tiny_model import tiny_model
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from test_engine import check, rand_tokens  # noqa: E402
-from tiny_model import tiny_model  # noqa: E402
-
-from shadowradix import CacheConfig, Engine, SamplingParams  # noqa: E402
+from shadowradix import CacheConfig, Engine, SamplingParams
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 

@@ -1,12 +1,9 @@
 """The pooled DeepSeek-V4 forward against transformers' uncached forward (float32, CPU)."""
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from conftest import LOGIT_DIFFS  # noqa: E402
-from tiny_model import CSA, HCA, SWA, Driver, reference_logits, tiny_model  # noqa: E402
+import torch
+from conftest import LOGIT_DIFFS
+from tiny_model import CSA, HCA, SWA, Driver, reference_logits, tiny_model
 
 TOL = 1e-4
 

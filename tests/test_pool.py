@@ -41,7 +41,8 @@ def test_metadata_only_pool_sizes_terabytes_without_memory():
 
 
 def test_torch_storage_shape_and_addressing():
-    torch = pytest.importorskip("torch")
+    import torch
+
     from shadowradix.pool.storage import PoolStorage
 
     spec = PoolSpec("c2", 2, Retention.ALL, (3,), "float32", 2)
