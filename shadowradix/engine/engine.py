@@ -64,7 +64,7 @@ class Engine:
         self.runner = DeepseekV4Runner(hf_model.eval())
         self.storage = None
         if config.storage is not None:
-            self.storage = StorageTier(open_storage(config.storage), self._prefix.pools)
+            self.storage = StorageTier(open_storage(config.storage), self._prefix)
         self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage)
         self.cache = CacheControl(self._prefix)
         self._counters: dict[str, float] = {

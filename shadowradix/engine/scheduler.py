@@ -64,9 +64,9 @@ class Scheduler:
             prompt = np.asarray(req.ids[:req.prompt_len], dtype=np.int32)
             resume = done
             if self.storage is not None:
-                q = self.storage.probe(prompt, m.page_table, (req.prompt_len - 1) // ps)
+                q, hashes = self.storage.probe(prompt, m.page_table, (req.prompt_len - 1) // ps)
                 if q > done and self.storage.load(
-                        prompt, done, q, {n: got[n][:q - done] for n in got}):
+                        hashes, done, q, {n: got[n][:q - done] for n in got}):
                     resume = q
             tables = {}
             for row, name in enumerate(self.cache.layout.pool_names):
@@ -102,10 +102,7 @@ class Scheduler:
                 self.waiting.remove(req)
             if req in self.running:
                 self.cache.free(req.own)
-                assert req.handle is not None
-                self.cache.unlock(req.handle)
-                req.own, req.kv, req.handle = {}, None, None
-                self.running.remove(req)
+                self._release(req)
 
     def finish(self, req: Request) -> None:
         """Hand the request's computed full pages to the tree; free the rest; unlock."""
@@ -120,6 +117,10 @@ class Scheduler:
         own = np.stack([req.own[name][:full - done] for name in self.cache.layout.pool_names])
         self.cache.insert(req.ids[:full * ps], own, done)
         self.cache.free({name: pages[full - done:] for name, pages in req.own.items()})
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Unlock and forget a request whose pages are already back with their owners."""
         assert req.handle is not None
         self.cache.unlock(req.handle)
         req.own, req.kv, req.handle = {}, None, None

@@ -15,23 +15,18 @@ from typing import Any
 import numpy as np
 
 from shadowradix.pool.allocator import PagePool
+from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage.backend import StorageBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
-from shadowradix.tree.rules import MatchRule
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, pools: Mapping[str, PagePool]) -> None:
+    def __init__(self, backend: StorageBackend, cache: PrefixCache) -> None:
         self.backend = backend
-        self.pools = dict(pools)
-        first = next(iter(self.pools.values()))
-        self.page_size = first.page_size
-        from shadowradix.layout.spec import KVLayout
-
-        self.layout = KVLayout("storage", tuple(p.spec for p in self.pools.values()),
-                               self.page_size)
-        self.namespace = namespace(self.layout)
-        self.rule = MatchRule.of(self.layout)
+        self.pools: dict[str, PagePool] = cache.pools
+        self.page_size = cache.layout.page_size
+        self.namespace = namespace(cache.layout)
+        self.rule = cache.tree.rule
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -39,27 +34,29 @@ class StorageTier:
         return [object_key(self.namespace, name, hashes[i])
                 for i in range(lo, hi) for name in self.pools]
 
-    def probe(self, tokens: np.ndarray, device_table: np.ndarray, limit: int) -> int:
+    def probe(self, tokens: np.ndarray, device_table: np.ndarray,
+              limit: int) -> tuple[int, list[bytes]]:
         """Deepest page boundary Q <= limit reachable with device pages [0, done) plus
-        stored pages [done, Q) (every pool present for every page in that range)."""
+        stored pages [done, Q) (every pool present for every page in that range), and the
+        page hashes of `tokens` for `load` to reuse."""
         done = device_table.shape[1]
         if limit <= done:
-            return done
+            return done, []
         hashes = page_hashes(tokens[:limit * self.page_size], self.page_size)
         found = self.backend.batch_exists(self._keys(hashes, done, limit))
         whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.pools)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
         if stop == done:
-            return done
+            return done, hashes
         table = np.concatenate([device_table, np.zeros((len(self.pools), stop - done),
                                                        dtype=device_table.dtype)], axis=1)
-        return max(self.rule.deepest(table), done)
+        return max(self.rule.deepest(table), done), hashes
 
-    def load(self, tokens: np.ndarray, done: int, q: int,
+    def load(self, hashes: list[bytes], done: int, q: int,
              pages: Mapping[str, np.ndarray]) -> bool:
-        """Copy stored pages [done, q) into the device pages `pages[pool][0:q-done]`.
-        False (nothing usable) if any object is missing, corrupt or the wrong size."""
-        hashes = page_hashes(tokens[:q * self.page_size], self.page_size)
+        """Copy stored pages [done, q) (keys from `probe`'s hashes) into the device pages
+        `pages[pool][0:q-done]`. False (nothing usable) if any object is missing, corrupt
+        or the wrong size."""
         blobs = self.backend.batch_get(self._keys(hashes, done, q))
         names = list(self.pools)
         for i, blob in enumerate(blobs):

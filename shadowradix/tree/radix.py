@@ -58,17 +58,17 @@ class ShadowRadix:
         self.rule = MatchRule.of(layout)
         self.page_size = layout.page_size
         self.n_pools = len(layout.pools)
-        self._short_lived = [i for i, p in enumerate(layout.pools)
-                             if p.retention is not Retention.ALL]
-        self.short_lived_rows = tuple(self._short_lived)  # WINDOW and CHECKPOINT rows
+        # WINDOW and CHECKPOINT rows: the pools whose pages can be tombstoned.
+        self.short_lived_rows = [i for i, p in enumerate(layout.pools)
+                                 if p.retention is not Retention.ALL]
         self.root = self._new_node(np.empty(0, TOKEN), np.empty((self.n_pools, 0), PAGE), None, 0)
         self._clock = 0
         self._pages = [0] * self.n_pools  # pages held, per pool
         self._n_nodes = 1
         self._leaves = LRUHeap(0)
         # Per short-lived pool: nodes with pages outside / inside kept checkpoints.
-        self._loose = {row: LRUHeap(1 + 2 * row) for row in self._short_lived}
-        self._kept = {row: LRUHeap(2 + 2 * row) for row in self._short_lived}
+        self._loose = {row: LRUHeap(1 + 2 * row) for row in self.short_lived_rows}
+        self._kept = {row: LRUHeap(2 + 2 * row) for row in self.short_lived_rows}
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
@@ -209,7 +209,7 @@ class ShadowRadix:
     def _keep_plan(self, n: int, branch_ends: list[int],
                    finished: bool) -> list[tuple[int, list[int]]]:
         """Per short-lived row, the sorted page indices that belong to kept checkpoints."""
-        if n == 0 or not self._short_lived:
+        if n == 0 or not self.short_lived_rows:
             return []
         if finished and not branch_ends and not self.policy.every_pages:  # the common case
             return self._end_plan(n)
@@ -243,7 +243,7 @@ class ShadowRadix:
     def _adoptable(self, keep: np.ndarray | None, n: int) -> np.ndarray:
         """Eager policy: short-lived pages are adopted only inside kept checkpoints."""
         ok = np.ones((self.n_pools, n), dtype=bool)
-        ok[self._short_lived] = False if keep is None else keep[self._short_lived]
+        ok[self.short_lived_rows] = False if keep is None else keep[self.short_lived_rows]
         return ok
 
     # ------------------------------------------------------------------ locks
@@ -396,7 +396,7 @@ class ShadowRadix:
         """
         if not node.children:
             self._leaves.add(node)
-        for row in self._short_lived:
+        for row in self.short_lived_rows:
             self._loose[row].add(node)
             self._kept[row].add(node)
 
