@@ -270,10 +270,10 @@ def test_bad_tokens_and_tables_are_refused():
 def test_check_integrity_names_what_disagrees():
     cache, _ = fresh()
     serve(cache, seq(1, 2, 3))
-    cache.tree._pages[0] += 1
+    cache.tree._held[0][0] += 1
     with pytest.raises(AssertionError, match="pool 'kv'.*counted"):
         cache.check_integrity()
-    cache.tree._pages[0] -= 1
+    cache.tree._held[0][0] -= 1
     node = next(cache.tree.nodes())
     node.full_lock = -1
     with pytest.raises(AssertionError, match="negative lock"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shadowradix.tiers.host_tier import WRITE_POLICIES
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -11,14 +13,22 @@ class CacheConfig:
 
     page_size: tokens per logical page (a multiple of every compression ratio).
     device_tokens: L1 capacity in logical tokens; every pool is sized from it.
+    host_tokens: L2 capacity in logical tokens (0: no host tier). Host pools mirror
+        the device pools; pages evicted from the device stay reusable from there.
+    write_policy: when device pages are copied to the host: "write_through" (every
+        page the cache adopts), "write_through_selective" (a prefix once matches
+        reached it `write_hit_threshold` times) or "write_back" (only when the
+        device evicts it).
     storage: L3, "file:///dir" or "redis://host:port/db": computed pages are written
         through, and a request that misses the device loads what it can from there.
-    host_tokens / hisparse_buffer: the host tier and HiSparse (not built yet: 0 / None).
+    hisparse_buffer: HiSparse (not built yet: None).
     """
 
     page_size: int = 256
     device_tokens: int = 65536
     host_tokens: int = 0
+    write_policy: str = "write_through"
+    write_hit_threshold: int = 2
     storage: str | None = None
     hisparse_buffer: int | None = None
 
@@ -28,8 +38,16 @@ class CacheConfig:
         if not isinstance(self.device_tokens, int) or self.device_tokens < self.page_size:
             raise ValueError(f"device_tokens must be an int >= page_size ({self.page_size}), "
                              f"got {self.device_tokens!r}")
-        if self.host_tokens:
-            raise ValueError("host_tokens: the host tier (HiCache) is not available yet; use 0")
+        if not isinstance(self.host_tokens, int) or not (
+                self.host_tokens == 0 or self.host_tokens >= self.page_size):
+            raise ValueError(f"host_tokens must be 0 (no host tier) or an int >= page_size "
+                             f"({self.page_size}), got {self.host_tokens!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, "
+                             f"got {self.write_policy!r}")
+        if not isinstance(self.write_hit_threshold, int) or self.write_hit_threshold < 1:
+            raise ValueError(f"write_hit_threshold must be an int >= 1, "
+                             f"got {self.write_hit_threshold!r}")
         if self.storage is not None and not self.storage.startswith(
                 ("file://", "redis://", "rediss://")):
             raise ValueError(f"storage must be None, 'file:///DIR' or 'redis://HOST:PORT/DB', "

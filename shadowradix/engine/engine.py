@@ -15,9 +15,12 @@ from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Scheduler
 from shadowradix.layout import deepseek_v4
 from shadowradix.model import DeepseekV4Runner, PagedStorage
+from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.mover import mover_for
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
+from shadowradix.tree.radix import DEVICE, HOST
 
 TIERS = ("device", "host", "storage")
 
@@ -29,12 +32,21 @@ class CacheControl:
         self._cache = cache
 
     def flush(self, tiers: Sequence[str] = ("device",)) -> None:
-        """Drop every unlocked page from the named tiers. Raises ValueError on a bad name."""
-        bad = [t for t in tiers if t not in TIERS]
+        """Drop every unlocked page from the named tiers ("device", "host").
+
+        Storage is shared with other engines and outlives this one: clear it with
+        the backend's own tools. Raises ValueError on any other name, or on "host"
+        when the engine has no host tier.
+        """
+        bad = [t for t in tiers if t not in TIERS or t == "storage"]
         if bad:
-            raise ValueError(f"unknown tiers {bad}; use names from {TIERS}")
+            raise ValueError(f"cannot flush tiers {bad}; use names from ('device', 'host')")
+        if "host" in tiers and not self._cache.has_host:
+            raise ValueError("this engine has no host tier (CacheConfig.host_tokens = 0)")
         if "device" in tiers:
-            self._cache.flush()  # host and storage tiers do not exist yet: nothing to drop
+            self._cache.flush(DEVICE)
+        if "host" in tiers:
+            self._cache.flush(HOST)
 
 
 class Engine:
@@ -56,8 +68,9 @@ class Engine:
         self.vocab_size = int(cfg.vocab_size)
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        host_pages = config.host_tokens // config.page_size if config.host_tokens else None
         self._prefix = PrefixCache(self.layout, config.device_tokens // config.page_size,
-                                   device=self.device)
+                                   device=self.device, host_pages=host_pages)
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(cfg.layer_types))
@@ -65,12 +78,24 @@ class Engine:
         self.storage = None
         if config.storage is not None:
             self.storage = StorageTier(open_storage(config.storage), self._prefix)
-        self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage)
+        self.host = None
+        if host_pages is not None:
+            tiers = self._prefix
+
+            def tensor(pool: str, tier: int) -> torch.Tensor:
+                storage = tiers.tier_pools(tier)[pool].storage
+                assert storage is not None
+                return storage.data
+
+            self.host = HostTier(self._prefix, mover_for(tensor, self.device),
+                                 config.write_policy, config.write_hit_threshold)
+        self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage,
+                                   self.host)
         self.cache = CacheControl(self._prefix)
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
             "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,
-            "storage_tokens": 0}
+            "host_tokens": 0, "storage_tokens": 0}
         self._closed = False
 
     @classmethod
@@ -124,6 +149,8 @@ class Engine:
         for c in chunks:
             assert c.request.kv is not None
             ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
+            if self.host is not None:
+                self.host.mover.wait(c.request.ready)  # its pages are back from the host
             if c.start == c.request.cached and c.start:  # first chunk after a cache hit
                 self.runner.resume(self.store, c.request.kv, c.start // self.config.page_size)
             segments.append((ids, c.start, c.request.kv))
@@ -153,10 +180,11 @@ class Engine:
         self._counters["prompt_tokens"] += req.prompt_len
         self._counters["cached_tokens"] += req.cached
         logits = torch.stack(req.logits) if return_logits else None
+        self._counters["host_tokens"] += req.from_host
         self._counters["storage_tokens"] += req.from_storage
         return Result(req.outputs, logits, req.cached,
-                      {"device": req.cached - req.from_storage, "host": 0,
-                       "storage": req.from_storage})
+                      {"device": req.cached - req.from_host - req.from_storage,
+                       "host": req.from_host, "storage": req.from_storage})
 
     def _check(self, prompts: Sequence[Sequence[int]],
                params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
@@ -189,8 +217,12 @@ class Engine:
         cache = self._prefix.stats()
         return {
             **self._counters,
-            "hits": {"device": self._counters["cached_tokens"] - self._counters["storage_tokens"],
-                     "host": 0, "storage": self._counters["storage_tokens"]},
+            "hits": {"device": self._counters["cached_tokens"] - self._counters["host_tokens"]
+                     - self._counters["storage_tokens"],
+                     "host": self._counters["host_tokens"],
+                     "storage": self._counters["storage_tokens"]},
+            "host": {**self.host.counts, "bytes_moved": self.host.mover.bytes_moved}
+            if self.host else {},
             "pools": cache["pools"],
             "nodes": cache["nodes"],
             "storage_errors": self.storage.errors if self.storage else 0,
@@ -200,7 +232,10 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Stop accepting work and close the storage backend (writes are synchronous)."""
+        """Stop accepting work, finish the host copies in flight and close the storage
+        backend (its writes are synchronous)."""
         self._closed = True
+        if self.host is not None:
+            self.host.mover.close()
         if self.storage is not None:
             self.storage.backend.close()

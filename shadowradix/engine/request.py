@@ -40,7 +40,9 @@ class Request:
     kv: RequestKV | None = None
     own: dict[str, np.ndarray] = field(default_factory=dict)  # pages allocated to it
     cached: int = 0  # tokens served from cache, any tier
+    from_host: int = 0  # of those, loaded back from L2
     from_storage: int = 0  # of those, loaded from L3
+    ready: int = 0  # the host-copy ticket its first forward must wait for
     computed: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
     done: bool = False

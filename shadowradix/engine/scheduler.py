@@ -4,6 +4,10 @@ Each step first gives every decoding request its one token, then fills the
 rest of the token budget with prefill chunks (of any size: chunks need not
 align with pages or compression windows), then admits waiting requests in
 arrival order while their pages fit.
+
+A request whose pages are still being copied back from the host sits out
+until its copy is done (unless nothing else can run): its load-back overlaps
+the compute of the requests admitted before it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from shadowradix.engine.request import Request
 from shadowradix.model.context import RequestKV
+from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage_tier import StorageTier
 
@@ -29,13 +34,14 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, cache: PrefixCache, step_tokens: int, device: torch.device,
-                 storage: StorageTier | None = None) -> None:
+                 storage: StorageTier | None = None, host: HostTier | None = None) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.cache = cache
         self.step_tokens = step_tokens
         self.device = device
         self.storage = storage
+        self.host = host
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -49,46 +55,65 @@ class Scheduler:
         return all(pool.num_pages >= need for pool in self.cache.pools.values())
 
     def admit(self) -> None:
-        """Match, lock, allocate, in arrival order; stop at the first that does not fit."""
+        """Match, lock, allocate, load back, in arrival order; stop at the first that does
+        not fit."""
         ps = self.page_size
         while self.waiting:
             req = self.waiting[0]
             m = self.cache.match(req.ids[:req.prompt_len])
             handle = self.cache.lock(m)
             done, total = m.prefix_len // ps, req.pages_needed(ps)
-            got = self.cache.alloc({name: total - done for name in self.cache.pools})
+            load = self.host.load_need(m) if self.host is not None else {}
+            need = {name: total - done + load.get(name, 0) for name in self.cache.pools}
+            if self.host is not None:
+                self.host.make_room(need)
+            got = self.cache.alloc(need)
             if got is None:
                 self.cache.unlock(handle)
                 return  # waits for running requests to finish and free pages
             self.waiting.popleft()
-            prompt = np.asarray(req.ids[:req.prompt_len], dtype=np.int32)
+            prefix = m.page_table
+            if self.host is not None:  # host -> device copies start now; req.ready waits
+                prefix = self.host.load(m, {n: got[n][:load.get(n, 0)] for n in got})
+                got = {n: got[n][load.get(n, 0):] for n in got}
+                self.host.after_match(m)
+                req.ready = self.host.mover.last
             resume = done
             if self.storage is not None:
-                q, hashes = self.storage.probe(prompt, m.page_table, (req.prompt_len - 1) // ps)
-                if q > done and self.storage.load(
-                        hashes, done, q, {n: got[n][:q - done] for n in got}):
-                    resume = q
+                prompt = np.asarray(req.ids[:req.prompt_len], dtype=np.int32)
+                q, hashes = self.storage.probe(prompt, prefix, (req.prompt_len - 1) // ps)
+                if q > done:
+                    if self.host is not None:  # pages may be reused: pending copies go first
+                        self.host.mover.wait(self.host.mover.last)
+                    if self.storage.load(hashes, done, q, {n: got[n][:q - done] for n in got}):
+                        resume = q
             tables = {}
             for row, name in enumerate(self.cache.layout.pool_names):
                 table = np.empty(total, dtype=np.int64)
-                table[:done] = m.page_table[row]
+                table[:done] = prefix[row]
                 table[done:] = got[name]
                 tables[name] = torch.from_numpy(table).to(self.device)
             req.match, req.handle, req.own = m, handle, got
             req.kv = RequestKV(tables)
             req.cached = req.computed = resume * ps
+            req.from_host = done * ps - m.device_prefix_len
             req.from_storage = (resume - done) * ps
             self.running.append(req)
+
+    def ready(self, req: Request) -> bool:
+        """Whether the request's host copies are done (so a step need not wait for them)."""
+        return self.host is None or self.host.mover.done(req.ready)
 
     def plan(self) -> list[Chunk]:
         """This step's work: decode tokens first, then prefill chunks under the budget."""
         budget = self.step_tokens
         chunks = []
-        for req in self.running:
+        running = [r for r in self.running if self.ready(r)] or self.running
+        for req in running:
             if not req.prefilling and budget > 0:
                 chunks.append(Chunk(req, req.computed, req.computed + 1))
                 budget -= 1
-        for req in self.running:
+        for req in running:
             if req.prefilling and budget > 0:
                 end = min(req.prompt_len, req.computed + budget)
                 chunks.append(Chunk(req, req.computed, end))
@@ -115,7 +140,9 @@ class Scheduler:
             self.storage.save(np.asarray(req.ids[:full * ps], dtype=np.int32), loaded, full,
                               {n: p[loaded - done:full - done] for n, p in req.own.items()})
         own = np.stack([req.own[name][:full - done] for name in self.cache.layout.pool_names])
-        self.cache.insert(req.ids[:full * ps], own, done)
+        result = self.cache.insert(req.ids[:full * ps], own, done)
+        if self.host is not None:
+            self.host.after_insert(result.node)
         self.cache.free({name: pages[full - done:] for name, pages in req.own.items()})
         self._release(req)
 

@@ -1,8 +1,10 @@
-"""The device tier: one ShadowRadix tree over one allocator per pool.
+"""One ShadowRadix tree over one allocator per pool and tier.
 
-This is the L1 composition every caller starts from (the engine, the
-simulator, the benchmarks). It owns the pools and the tree and keeps their
-books in step: pages the tree lets go are freed here, never by the caller.
+This is the composition every caller starts from (the engine, the simulator,
+the benchmarks): device pools (L1) and, with `host_pages`, host pools (L2) that
+mirror them. It owns the pools and the tree and keeps their books in step:
+pages the tree lets go are freed here, never by the caller. It moves no bytes;
+HostTier does (tiers/host_tier.py).
 """
 
 from __future__ import annotations
@@ -16,32 +18,58 @@ import numpy as np
 from shadowradix.layout.spec import KVLayout
 from shadowradix.pool.allocator import PAGE_DTYPE, PagePool
 from shadowradix.tree.policy import CheckpointPolicy
-from shadowradix.tree.radix import ShadowRadix
+from shadowradix.tree.radix import DEVICE, HOST, ShadowRadix
 from shadowradix.tree.results import InsertResult, LockHandle, MatchResult
 from shadowradix.tree.stats import TreeStats
 
 
+def _sizes(layout: KVLayout, pages: int | Mapping[str, int]) -> dict[str, int]:
+    sizes = {p.name: pages for p in layout.pools} if isinstance(pages, int) else dict(pages)
+    missing = set(layout.pool_names) - set(sizes)
+    if missing:
+        raise ValueError(f"no page count for pools {sorted(missing)}")
+    return sizes
+
+
+def _pools(layout: KVLayout, sizes: dict[str, int], device: Any,
+           pin_memory: bool = False) -> dict[str, PagePool]:
+    pools = {}
+    for spec in layout.pools:
+        storage = None
+        if device is not None:
+            from shadowradix.pool.storage import PoolStorage
+
+            storage = PoolStorage(spec, layout.page_size, sizes[spec.name], device, pin_memory)
+        pools[spec.name] = PagePool(spec, layout.page_size, sizes[spec.name], storage)
+    return pools
+
+
 class PrefixCache:
-    """Tree plus pools. `pages` sizes every pool alike (int) or each by name."""
+    """Tree plus pools. `pages` sizes every device pool alike (int) or each by name;
+    `host_pages` likewise adds host pools (L2), in CPU memory (pinned when `device`
+    is CUDA) when the device pools have tensors."""
 
     def __init__(self, layout: KVLayout, pages: int | Mapping[str, int],
-                 policy: CheckpointPolicy | None = None, device: Any = None) -> None:
-        sizes = {p.name: pages for p in layout.pools} if isinstance(pages, int) else dict(pages)
-        missing = set(layout.pool_names) - set(sizes)
-        if missing:
-            raise ValueError(f"no page count for pools {sorted(missing)}")
+                 policy: CheckpointPolicy | None = None, device: Any = None,
+                 host_pages: int | Mapping[str, int] | None = None) -> None:
         self.layout = layout
-        self.tree = ShadowRadix(layout, policy)
-        self.pools: dict[str, PagePool] = {}
-        for spec in layout.pools:
-            storage = None
-            if device is not None:
-                from shadowradix.pool.storage import PoolStorage
-
-                storage = PoolStorage(spec, layout.page_size, sizes[spec.name], device)
-            self.pools[spec.name] = PagePool(spec, layout.page_size, sizes[spec.name], storage)
+        self.tree = ShadowRadix(layout, policy, host=host_pages is not None)
+        self.pools: dict[str, PagePool] = _pools(layout, _sizes(layout, pages), device)
+        self.host_pools: dict[str, PagePool] = {}
+        if host_pages is not None:
+            cuda = device is not None and str(device).startswith("cuda")
+            self.host_pools = _pools(layout, _sizes(layout, host_pages),
+                                     None if device is None else "cpu", pin_memory=cuda)
         self.evicted = {name: 0 for name in layout.pool_names}
+        self.evicted_host = {name: 0 for name in layout.pool_names}
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
+
+    @property
+    def has_host(self) -> bool:
+        return bool(self.host_pools)
+
+    def tier_pools(self, tier: int) -> dict[str, PagePool]:
+        return self.pools if tier == DEVICE else self.host_pools
 
     # --------------------------------------------------------------- reuse
     def match(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
@@ -55,25 +83,27 @@ class PrefixCache:
         self.tree.unlock(handle)
 
     # ---------------------------------------------------------- allocation
-    def alloc(self, need: Mapping[str, int]) -> dict[str, np.ndarray] | None:
-        """Pages for a request, evicting unlocked cache where a pool is short.
+    def alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> dict[str, np.ndarray] | None:
+        """Pages of one tier, evicting unlocked cache of that tier where a pool is short.
 
         Returns None when even after eviction some pool cannot supply its
         count; then nothing is allocated (cached data may have been evicted).
         """
+        pools = self.tier_pools(tier)
         for name, n in need.items():  # evicting one pool never shrinks another's free list
-            short = n - self.pools[name].free_pages
+            short = n - pools[name].free_pages
             if short > 0:
-                self.evict(name, short)
-        if any(not self.pools[name].can_alloc(n) for name, n in need.items()):
+                self.evict(name, short, tier)
+        if any(not pools[name].can_alloc(n) for name, n in need.items()):
             return None
-        return {name: self.pools[name].alloc(n) for name, n in need.items()}
+        return {name: pools[name].alloc(n) for name, n in need.items()}
 
-    def free(self, pages: Mapping[str, np.ndarray]) -> None:
-        """Return a request's private pages, per pool (real ids only, no -1)."""
+    def free(self, pages: Mapping[str, np.ndarray], tier: int = DEVICE) -> None:
+        """Return pages nobody shadows, per pool (real ids only, no -1)."""
+        pools = self.tier_pools(tier)
         for name, ids in pages.items():
             if len(ids):
-                self.pools[name].free(ids)
+                pools[name].free(ids)
 
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
                start: int = 0, *, finished: bool = True) -> InsertResult:
@@ -83,40 +113,47 @@ class PrefixCache:
         self.free(result.to_free)
         return result
 
-    def evict(self, pool: str, num_pages: int) -> int:
-        """Evict at least `num_pages` of `pool` if possible; returns how many of `pool` went."""
+    def evict(self, pool: str, num_pages: int, tier: int = DEVICE) -> int:
+        """Evict at least `num_pages` of `pool` from `tier` if possible; returns how many of
+        `pool` left that tier."""
         t0 = time.perf_counter()
-        result = self.tree.evict(pool, num_pages)
+        result = self.tree.evict(pool, num_pages, tier)
         for name, pages in result.freed.items():
             self.pools[name].free(pages)
             self.evicted[name] += pages.size
+        for name, pages in result.freed_host.items():
+            self.host_pools[name].free(pages)
+            self.evicted_host[name] += pages.size
         self.evict_seconds += time.perf_counter() - t0
-        return result.count(pool)
+        return (result.freed_host if tier == HOST else result.freed)[pool].size
 
-    def flush(self) -> None:
-        """Drop every unlocked page the tree holds."""
+    def flush(self, tier: int = DEVICE) -> None:
+        """Drop every unlocked page the tree holds in `tier`."""
+        pools = self.tier_pools(tier)
         for name in self.layout.pool_names:
-            self.evict(name, self.pools[name].num_pages + 1)
+            self.evict(name, pools[name].num_pages + 1, tier)
 
     # ---------------------------------------------------------- inspection
     def check_integrity(self, held: Mapping[str, np.ndarray] | None = None) -> None:
         """Tree invariants, pool free lists, and that every used page has exactly one
         owner: the tree, or a request (`held`, per pool). Raises AssertionError."""
         self.tree.check_integrity()
-        for name, pool in self.pools.items():
-            pool.check_integrity()
-            tree_pages = self.tree.all_pages(name)
-            owned = [tree_pages]
-            if held is not None and name in held:
-                owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))
-            allp = np.concatenate(owned)
-            if not pool.in_use(tree_pages).all():
-                raise AssertionError(f"pool {name!r}: the tree shadows a free page")
-            if np.unique(allp).size != allp.size:
-                raise AssertionError(f"pool {name!r}: a page has two owners")
-            if held is not None and allp.size != pool.used_pages:
-                raise AssertionError(f"pool {name!r}: {pool.used_pages} pages in use but "
-                                     f"{allp.size} owned (leak)")
+        for tier in range(self.tree.tiers):
+            where = "" if tier == DEVICE else " (host)"
+            for name, pool in self.tier_pools(tier).items():
+                pool.check_integrity()
+                tree_pages = self.tree.all_pages(name, tier)
+                owned = [tree_pages]
+                if held is not None and name in held and tier == DEVICE:
+                    owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))
+                allp = np.concatenate(owned)
+                if not pool.in_use(tree_pages).all():
+                    raise AssertionError(f"pool {name!r}{where}: the tree shadows a free page")
+                if np.unique(allp).size != allp.size:
+                    raise AssertionError(f"pool {name!r}{where}: a page has two owners")
+                if held is not None and allp.size != pool.used_pages:
+                    raise AssertionError(f"pool {name!r}{where}: {pool.used_pages} pages in use "
+                                         f"but {allp.size} owned (leak)")
 
     def stats(self) -> dict[str, Any]:
         tree: TreeStats = self.tree.stats()
@@ -125,4 +162,8 @@ class PrefixCache:
             entry = out["pools"][name]  # type: ignore[index]
             entry.update(capacity=pool.num_pages, free=pool.free_pages,
                          evicted=self.evicted[name])
+            if name in self.host_pools:
+                host = self.host_pools[name]
+                entry.update(host_capacity=host.num_pages, host_free=host.free_pages,
+                             host_evicted=self.evicted_host[name])
         return out

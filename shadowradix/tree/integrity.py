@@ -11,9 +11,9 @@ if TYPE_CHECKING:
 
 
 def check_tree(tree: ShadowRadix) -> None:
-    ps, n_pools = tree.page_size, tree.n_pools
-    held = np.zeros(n_pools, np.int64)
-    per_pool: list[list[np.ndarray]] = [[] for _ in range(n_pools)]
+    ps, n_pools, tiers = tree.page_size, tree.n_pools, tree.tiers
+    held = np.zeros((tiers, n_pools), np.int64)
+    per_pool: list[list[list[np.ndarray]]] = [[[] for _ in range(n_pools)] for _ in range(tiers)]
     n_nodes = 1
     all_rows = list(tree.rule.all_rows)
     stack = [tree.root]
@@ -38,25 +38,39 @@ def check_tree(tree: ShadowRadix) -> None:
                     f"node {child.id}: negative lock count")
             _expect(not (child.window_lock > 0).any() or child.full_lock > 0,
                     f"node {child.id}: window-locked but not full-locked")
-            if all_rows:
+            if all_rows and tiers == 1:
                 _expect(bool((child.pages[all_rows] >= 0).all()),
                         f"node {child.id}: tombstone in an ALL pool")
-            for row in range(n_pools):
-                present = child.pages[row][child.pages[row] >= 0]
-                per_pool[row].append(present)
-                held[row] += present.size
+            if tiers > 1:
+                _expect(child.host is not None and child.host.shape == child.pages.shape,
+                        f"node {child.id}: host shadow missing or misshapen")
+                for tier in range(tiers):
+                    cells = child.slot(tier)[all_rows] >= 0
+                    _expect(bool(cells.all()) or not cells.any(),
+                            f"node {child.id}: ALL pages partly in tier {tier}")
+                _expect(bool(child.children) or child.full_lock > 0 or not tree._dead(child),
+                        f"node {child.id}: an unlocked leaf no tier can resume from")
+            for tier in range(tiers):
+                slot = child.slot(tier)
+                for row in range(n_pools):
+                    present = slot[row][slot[row] >= 0]
+                    per_pool[tier][row].append(present)
+                    held[tier, row] += present.size
             child_locks += child.full_lock
             stack.append(child)
         if node is not tree.root:
             _expect(node.full_lock >= child_locks,
                     f"node {node.id}: full_lock {node.full_lock} < children's {child_locks}")
     _expect(n_nodes == tree._n_nodes, f"{n_nodes} nodes reachable, {tree._n_nodes} counted")
-    for row, spec in enumerate(tree.layout.pools):
-        _expect(held[row] == tree._pages[row],
-                f"pool {spec.name!r}: {held[row]} pages in shadows, {tree._pages[row]} counted")
-        pages = np.concatenate(per_pool[row]) if per_pool[row] else np.empty(0, np.int32)
-        _expect(np.unique(pages).size == pages.size,
-                f"pool {spec.name!r}: a physical page is shadowed twice")
+    for tier in range(tiers):
+        for row, spec in enumerate(tree.layout.pools):
+            count = tree._held[tier][row]
+            _expect(held[tier, row] == count, f"pool {spec.name!r} tier {tier}: "
+                    f"{held[tier, row]} pages in shadows, {count} counted")
+            parts = per_pool[tier][row]
+            pages = np.concatenate(parts) if parts else np.empty(0, np.int32)
+            _expect(np.unique(pages).size == pages.size,
+                    f"pool {spec.name!r} tier {tier}: a physical page is shadowed twice")
 
 
 def _expect(ok: bool, message: str) -> None:

@@ -14,10 +14,12 @@ _ids = itertools.count()
 class Node:
     """Tokens and bookkeeping only; never tensors.
 
-    pages[row, i] is pool `row`'s physical page for this node's i-th page, or
-    -1 (a tombstone). keep[row, i] marks pages that belong to a kept
-    checkpoint. window_lock[i] counts the locks whose window or checkpoint
-    needs page i; full_lock counts the locks whose path runs through the node.
+    pages[row, i] is pool `row`'s device page for this node's i-th page, or
+    -1 (a tombstone, or not on the device). host[row, i] is the same on the
+    host tier (None when the tree has no host tier). keep[row, i] marks pages
+    that belong to a kept checkpoint. window_lock[i] counts the locks whose
+    window or checkpoint needs page i; full_lock counts the locks whose path
+    runs through the node. hits counts the matches that reached the node.
     """
 
     tokens: np.ndarray
@@ -30,6 +32,8 @@ class Node:
     full_lock: int = 0
     last_access: int = 0
     branch: bool = False
+    host: np.ndarray | None = None
+    hits: int = 0
     queued: int = 0  # bit per LRU heap holding this node
     alive: bool = True
     id: int = field(default_factory=lambda: next(_ids))
@@ -41,6 +45,13 @@ class Node:
     @property
     def end_page(self) -> int:
         return self.start_page + self.pages.shape[1]
+
+    def slot(self, tier: int) -> np.ndarray:
+        """The page ids of one tier: 0 the device, 1 the host."""
+        if tier == 0:
+            return self.pages
+        assert self.host is not None, "this tree has no host tier"
+        return self.host
 
     def key(self, page_size: int) -> bytes:
         return self.tokens[:page_size].tobytes()
@@ -63,11 +74,15 @@ class Node:
             full_lock=self.full_lock,
             last_access=self.last_access,
             branch=False,
+            host=None if self.host is None else self.host[:, :j].copy(),
+            hits=self.hits,
         )
         self.parent.children[self.key(page_size)] = head
         self.tokens = self.tokens[j * page_size:]
         self.pages = self.pages[:, j:].copy()
         self.keep = self.keep[:, j:].copy()
+        if self.host is not None:
+            self.host = self.host[:, j:].copy()
         self.window_lock = self.window_lock[j:].copy()
         self.start_page += j
         self.parent = head

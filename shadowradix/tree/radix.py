@@ -7,12 +7,18 @@ the caller frees. No torch here: the simulator drives this at full scale.
 
     # [0, prefix_len)            resumable: every pool the match rule needs is here
     # [prefix_len, logical_len)  tokens known, some window / state page is gone
+
+With a host tier (HiCache L2) every node has a second shadow, `host`, and each
+(page, pool) lives on the device, the host, both or neither. Eviction runs per
+tier: a node that loses its device pages but is backed up on the host stays in
+the tree, host-only, and a match resumes through it once the caller has copied
+the host pages back and `fill`ed the device shadow.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -26,6 +32,11 @@ from shadowradix.tree.stats import TreeStats, count_stats
 
 PAGE = np.int32
 TOKEN = np.int32
+DEVICE, HOST = 0, 1
+
+# spill(node, mask) -> host page ids [pools, n] (-1 where none): write-back's hook, called
+# with the device pages eviction is about to drop that have no host copy.
+Spill = Callable[[Node, np.ndarray], np.ndarray]
 
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -52,8 +63,11 @@ _TOKEN_MIN, _TOKEN_MAX = int(np.iinfo(TOKEN).min), int(np.iinfo(TOKEN).max)
 class ShadowRadix:
     """The logical tree over token positions, with per-pool shadows and two lock counts."""
 
-    def __init__(self, layout: KVLayout, policy: CheckpointPolicy | None = None) -> None:
+    def __init__(self, layout: KVLayout, policy: CheckpointPolicy | None = None, *,
+                 host: bool = False) -> None:
         self.layout = layout
+        self.tiers = 2 if host else 1
+        self.spill: Spill | None = None
         self.policy = policy or CheckpointPolicy()
         self.rule = MatchRule.of(layout)
         self.page_size = layout.page_size
@@ -63,12 +77,16 @@ class ShadowRadix:
                                  if p.retention is not Retention.ALL]
         self.root = self._new_node(np.empty(0, TOKEN), np.empty((self.n_pools, 0), PAGE), None, 0)
         self._clock = 0
-        self._pages = [0] * self.n_pools  # pages held, per pool
+        self._held = [[0] * self.n_pools for _ in range(self.tiers)]  # pages, per tier and pool
         self._n_nodes = 1
-        self._leaves = LRUHeap(0)
-        # Per short-lived pool: nodes with pages outside / inside kept checkpoints.
-        self._loose = {row: LRUHeap(1 + 2 * row) for row in self.short_lived_rows}
-        self._kept = {row: LRUHeap(2 + 2 * row) for row in self.short_lived_rows}
+        # Per tier: leaves, and per short-lived pool the nodes with pages outside /
+        # inside kept checkpoints. Each heap has its own bit in Node.queued.
+        bits = 1 + 2 * self.n_pools
+        self._leaves = [LRUHeap(t * bits) for t in range(self.tiers)]
+        self._loose = [{row: LRUHeap(t * bits + 1 + 2 * row) for row in self.short_lived_rows}
+                       for t in range(self.tiers)]
+        self._kept = [{row: LRUHeap(t * bits + 2 + 2 * row) for row in self.short_lived_rows}
+                      for t in range(self.tiers)]
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
@@ -89,12 +107,24 @@ class ShadowRadix:
             table = np.empty((self.n_pools, 0), PAGE)
         resume = self.rule.deepest(table)
         self._touch(n for n, _ in path)
+        for n, _ in path:
+            n.hits += 1
+        on_device, host, load = resume, None, None
+        if self.tiers > 1:
+            host = (np.concatenate([n.slot(HOST)[:, :eq] for n, eq in path], axis=1)
+                    if path else np.empty((self.n_pools, 0), PAGE))
+            resume = self.rule.deepest(np.where(table >= 0, table, host))
+            load = self.rule.needed(self.n_pools, resume) & (table[:, :resume] < 0)
+            host = host[:, :resume].copy()
         # Split at the resume point first: the branch split below lies deeper and
         # leaves the target (the head ending at `resume`) untouched.
         target = self._node_ending_at(path, resume)
         if self.policy.branch_points and depth > resume:
             self._node_ending_at(path, depth).branch = True
-        return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target)
+        if self.tiers == 1:
+            return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target)
+        return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target,
+                           on_device * ps, host, load)
 
     def _descend(self, tokens: np.ndarray, limit: int) -> Iterator[tuple[Node, int]]:
         """Walk down from the root along `tokens`, at most `limit` pages deep.
@@ -275,46 +305,57 @@ class ShadowRadix:
             node = node.parent
 
     # -------------------------------------------------------------- eviction
-    def evict(self, pool: str, num_pages: int) -> EvictResult:
-        """Let at least `num_pages` pages of `pool` go, if that many are unlocked.
+    def evict(self, pool: str, num_pages: int, tier: int = DEVICE) -> EvictResult:
+        """Let at least `num_pages` pages of `pool` go from `tier`, if that many are unlocked.
 
         ALL pools (and every pool when tombstones are off) lose whole unlocked
-        leaves, least recently used first; all of a removed node's shadows go.
+        leaves of the tier, least recently used first: all of a node's shadows
+        in the tier go. A node that still holds pages in the other tier stays
+        (host-only after a device eviction); one that holds none is removed.
         WINDOW / CHECKPOINT pools are tombstoned page by page, least recently
         used first, pages outside kept checkpoints before those inside. A leaf
-        left with no checkpoint to resume from is removed too. evict(_, 0) is a
-        no-op. The result lists every page let go, in every pool.
+        left with no checkpoint to resume from in any tier is removed too.
+        Locked pages stay in both tiers. With a `spill` hook (write-back), device
+        pages without a host copy are offered to the host before they go.
+        evict(_, 0) is a no-op. The result lists every page let go, in every pool
+        and both tiers.
         """
         row = self.layout.index(pool)
-        freed: list[list[np.ndarray]] = [[] for _ in range(self.n_pools)]
+        if not 0 <= tier < self.tiers:
+            raise ValueError(f"tier {tier}: this tree has {self.tiers} tier(s)")
+        freed: list[list[list[np.ndarray]]] = [[[] for _ in range(self.n_pools)]
+                                               for _ in range(self.tiers)]
         got = 0
         if num_pages > 0:
-            if row in self._loose and self.policy.tombstones:
-                for heap in (self._loose[row], self._kept[row]):
+            if row in self._loose[tier] and self.policy.tombstones:
+                for kept in (False, True):
                     if got < num_pages:
-                        got += self._tombstone(row, heap, num_pages - got, freed)
-            if got < num_pages and (row not in self._loose or not self.policy.tombstones):
-                self._evict_leaves(row, num_pages - got, freed)
-        return EvictResult({p.name: (np.concatenate(freed[i]) if freed[i]
-                                     else np.empty(0, PAGE))
-                            for i, p in enumerate(self.layout.pools)})
+                        got += self._tombstone(tier, row, kept, num_pages - got, freed)
+            if got < num_pages and (row not in self._loose[tier] or not self.policy.tombstones):
+                self._evict_leaves(tier, row, num_pages - got, freed)
+        out = [{p.name: (np.concatenate(f[i]) if f[i] else np.empty(0, PAGE))
+                for i, p in enumerate(self.layout.pools)} for f in freed]
+        return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
 
-    def _tombstone(self, row: int, heap: LRUHeap, want: int,
-                   freed: list[list[np.ndarray]]) -> int:
-        kept = heap is self._kept[row]
+    def _tombstone(self, tier: int, row: int, kept: bool, want: int,
+                   freed: list[list[list[np.ndarray]]]) -> int:
+        heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
-        for node in heap.oldest(lambda n: self._has(n, row, kept)):
-            mask = (node.pages[row] >= 0) & (node.window_lock == 0)
+        for node in heap.oldest(lambda n: self._has(n, tier, row, kept)):
+            slot = node.slot(tier)
+            mask = (slot[row] >= 0) & (node.window_lock == 0)
             mask &= node.keep[row] if kept else ~node.keep[row]
             if np.count_nonzero(mask):
-                pages = node.pages[row, mask]
-                node.pages[row, mask] = -1
-                self._pages[row] -= pages.size
-                freed[row].append(pages)
+                if tier == DEVICE:
+                    self._spill(node, row, mask)
+                pages = slot[row, mask]
+                slot[row, mask] = -1
+                self._held[tier][row] -= pages.size
+                freed[tier][row].append(pages)
                 got += pages.size
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
-            if node.alive and self._has(node, row, kept):
+            if node.alive and self._has(node, tier, row, kept):
                 skipped.append(node)  # its remaining pages are locked
             if got >= want:
                 break
@@ -322,52 +363,165 @@ class ShadowRadix:
             heap.add(node)
         return got
 
-    def _evict_leaves(self, row: int, want: int, freed: list[list[np.ndarray]]) -> None:
+    def _evict_leaves(self, tier: int, row: int, want: int,
+                      freed: list[list[list[np.ndarray]]]) -> None:
         got, skipped = 0, []
-        for node in self._leaves.oldest(lambda n: not n.children):
+        heap = self._leaves[tier]
+        wanted = ((lambda n: not n.children) if self.tiers == 1 else
+                  (lambda n: self._resident(n, tier) and
+                   not any(self._resident(c, tier) for c in n.children.values())))
+        for node in heap.oldest(wanted):
             if node.full_lock > 0:
                 skipped.append(node)
                 continue
-            got += int(np.count_nonzero(node.pages[row] >= 0))
-            self._remove_leaf(node, freed)
+            got += int(np.count_nonzero(node.slot(tier)[row] >= 0))
+            if tier == DEVICE and self.spill is not None:
+                self._spill(node, None, node.pages >= 0)
+            if self.tiers == 1:
+                self._remove_leaf(node, freed)
+            elif not node.children and not self._resident(node, self.tiers - 1 - tier):
+                parent = node.parent
+                self._remove_leaf(node, freed)
+                self._drop_dead_leaf(parent, freed)  # type: ignore[arg-type]
+            else:
+                self._drop_tier(node, tier, freed)
+                self._drop_dead_leaf(node, freed)
             if got >= want:
                 break
         for node in skipped:
-            self._leaves.add(node)
+            heap.add(node)
 
-    def _drop_dead_leaf(self, node: Node, freed: list[list[np.ndarray]]) -> None:
+    def _spill(self, node: Node, row: int | None, mask: np.ndarray) -> None:
+        """Write-back: offer device pages `mask` (one row or [pools, n]) to the host."""
+        if self.spill is None:
+            return
+        host = node.slot(HOST)
+        want = np.zeros(node.pages.shape, dtype=bool)
+        if row is None:
+            want[:] = mask
+        else:
+            want[row] = mask
+        want &= host < 0
+        if not np.count_nonzero(want):
+            return
+        got = np.asarray(self.spill(node, want), dtype=PAGE)
+        put = want & (got >= 0)
+        host[put] = got[put]
+        self._count(put, +1, HOST)
+        self._enqueue(node)
+
+    def _drop_tier(self, node: Node, tier: int, freed: list[list[list[np.ndarray]]]) -> None:
+        """Let every page of one tier of a node go; the node stays for the other tier."""
+        slot = node.slot(tier)
+        for row in range(self.n_pools):
+            pages = slot[row][slot[row] >= 0]
+            if pages.size:
+                freed[tier][row].append(pages)
+                self._held[tier][row] -= pages.size
+        slot[:] = -1
+        if node.parent is not None and node.parent is not self.root:
+            self._leaves[tier].add(node.parent)
+
+    def _resident(self, node: Node, tier: int) -> bool:
+        """Whether a node holds its data in `tier`: its ALL pages (all or none of them are
+        there), or any page in a layout without ALL pools."""
+        slot = node.slot(tier)
+        if self.rule.all_rows:
+            return bool(slot[self.rule.all_rows[0], 0] >= 0)
+        return bool(np.count_nonzero(slot >= 0))
+
+    def _drop_dead_leaf(self, node: Node, freed: list[list[list[np.ndarray]]]) -> None:
         """Remove unlocked leaves (walking up) that no longer hold a resume point."""
         while (node is not self.root and node.parent is not None and not node.children
-               and node.full_lock == 0 and self.rule.has_checkpoints
-               and not np.count_nonzero(self.rule.resumable(node.pages)[1:])):
+               and node.full_lock == 0 and self._dead(node)):
             parent = node.parent
             self._remove_leaf(node, freed)
             node = parent
 
-    def _remove_leaf(self, node: Node, freed: list[list[np.ndarray]]) -> None:
+    def _dead(self, node: Node) -> bool:
+        """No tier holds the node, or no tier holds a resume point in it."""
+        if self.tiers > 1 and not any(self._resident(node, t) for t in range(self.tiers)):
+            return True
+        return self.rule.has_checkpoints and not np.count_nonzero(
+            self.rule.resumable(self._either(node))[1:])
+
+    def _either(self, node: Node) -> np.ndarray:
+        """A node's pages as one table: >= 0 where any tier holds the page."""
+        if self.tiers == 1:
+            return node.pages
+        return np.maximum(node.pages, node.slot(HOST))
+
+    def _remove_leaf(self, node: Node, freed: list[list[list[np.ndarray]]]) -> None:
         assert not node.children and node.full_lock == 0 and node.parent is not None
-        for row in range(self.n_pools):
-            pages = node.pages[row][node.pages[row] >= 0]
-            if pages.size:
-                freed[row].append(pages)
-                self._pages[row] -= pages.size
+        for tier in range(self.tiers):
+            slot = node.slot(tier)
+            for row in range(self.n_pools):
+                pages = slot[row][slot[row] >= 0]
+                if pages.size:
+                    freed[tier][row].append(pages)
+                    self._held[tier][row] -= pages.size
         parent = node.parent
         del parent.children[node.key(self.page_size)]
         node.alive = False
         node.parent = None
         self._n_nodes -= 1
-        if parent is not self.root and not parent.children:
-            self._leaves.add(parent)
+        if parent is not self.root:
+            for tier in range(self.tiers):
+                if self.tiers > 1 or not parent.children:
+                    self._leaves[tier].add(parent)
 
-    def _count(self, mask: np.ndarray, step: int) -> None:
+    def _count(self, mask: np.ndarray, step: int, tier: int = DEVICE) -> None:
         """Adjust the per-pool page counts by the set cells of `mask` [pools, n]."""
+        held = self._held[tier]
         for row in range(self.n_pools):
-            self._pages[row] += step * int(np.count_nonzero(mask[row]))
+            held[row] += step * int(np.count_nonzero(mask[row]))
 
-    def _has(self, node: Node, row: int, kept: bool) -> bool:
-        present = node.pages[row] >= 0
+    def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
+        present = node.slot(tier)[row] >= 0
         mask = present & node.keep[row] if kept else present & ~node.keep[row]
         return bool(np.count_nonzero(mask))
+
+    # ------------------------------------------------------------------ tiers
+    def fill(self, node: Node, table: np.ndarray, tier: int) -> None:
+        """Adopt pages into one tier along the path root..node.
+
+        table: [pools, node.end_page] page ids, -1 where nothing is handed over.
+        Every cell handed over must be empty in that tier (a load-back fills
+        device pages the match said were missing; a backup fills host pages
+        `absent` reported). Raises ValueError, changing nothing, otherwise.
+        """
+        table = np.asarray(table, dtype=PAGE)
+        if not node.alive or table.shape != (self.n_pools, node.end_page):
+            raise ValueError(f"fill needs a live node and a [{self.n_pools}, {node.end_page}] "
+                             f"table, got {table.shape}")
+        path = []
+        walk: Node | None = node
+        while walk is not None and walk is not self.root:
+            seg = table[:, walk.start_page:walk.end_page]
+            give = seg >= 0
+            if np.count_nonzero(give):
+                if np.count_nonzero(walk.slot(tier)[give] >= 0):
+                    raise ValueError(f"fill: node {walk.id} already holds some of these pages")
+                path.append((walk, seg, give))
+            walk = walk.parent
+        for walk, seg, give in path:
+            walk.slot(tier)[give] = seg[give]
+            self._count(give, +1, tier)
+            self._enqueue(walk)
+
+    def absent(self, node: Node, tier: int, min_hits: int = 0) -> np.ndarray:
+        """[pools, node.end_page]: pages on the path root..node held by the other tier
+        but not by `tier` (what a backup to the host would copy), in nodes matched at
+        least `min_hits` times."""
+        out = np.zeros((self.n_pools, node.end_page), dtype=bool)
+        other = self.tiers - 1 - tier
+        walk: Node | None = node
+        while walk is not None and walk is not self.root:
+            if walk.hits >= min_hits:
+                out[:, walk.start_page:walk.end_page] = (
+                    (walk.slot(other) >= 0) & (walk.slot(tier) < 0))
+            walk = walk.parent
+        return out
 
     # --------------------------------------------------------------- helpers
     def _new_node(self, tokens: np.ndarray, pages: np.ndarray, parent: Node | None,
@@ -375,7 +529,8 @@ class ShadowRadix:
         n = pages.shape[1]
         return Node(tokens=tokens, pages=np.array(pages, dtype=PAGE),  # a copy: never alias
                     keep=np.zeros((self.n_pools, n), dtype=bool),
-                    window_lock=np.zeros(n, dtype=np.int32), parent=parent, start_page=start)
+                    window_lock=np.zeros(n, dtype=np.int32), parent=parent, start_page=start,
+                    host=np.full((self.n_pools, n), -1, PAGE) if self.tiers > 1 else None)
 
     def _split(self, node: Node, j: int) -> Node:
         head = node.split(j, self.page_size)
@@ -394,11 +549,12 @@ class ShadowRadix:
         Cheap on purpose: a heap checks on pop whether the node still holds
         pages of its kind and drops it if not.
         """
-        if not node.children:
-            self._leaves.add(node)
-        for row in self.short_lived_rows:
-            self._loose[row].add(node)
-            self._kept[row].add(node)
+        for tier in range(self.tiers):
+            if self.tiers > 1 or not node.children:
+                self._leaves[tier].add(node)
+            for row in self.short_lived_rows:
+                self._loose[tier][row].add(node)
+                self._kept[tier][row].add(node)
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root, parents before children."""
@@ -409,13 +565,13 @@ class ShadowRadix:
             stack.extend(node.children.values())
 
     # ------------------------------------------------------------ inspection
-    def pages_held(self, pool: str) -> int:
-        return int(self._pages[self.layout.index(pool)])
+    def pages_held(self, pool: str, tier: int = DEVICE) -> int:
+        return int(self._held[tier][self.layout.index(pool)])
 
-    def all_pages(self, pool: str) -> np.ndarray:
-        """Every page of `pool` the tree holds (for integrity checks)."""
+    def all_pages(self, pool: str, tier: int = DEVICE) -> np.ndarray:
+        """Every page of `pool` the tree holds in `tier` (for integrity checks)."""
         row = self.layout.index(pool)
-        parts = [n.pages[row][n.pages[row] >= 0] for n in self.nodes()]
+        parts = [n.slot(tier)[row][n.slot(tier)[row] >= 0] for n in self.nodes()]
         return np.concatenate(parts) if parts else np.empty(0, PAGE)
 
     def stats(self) -> TreeStats:

@@ -21,12 +21,31 @@ class MatchResult:
     page_table: [pools, P / page_size] physical pages per pool; -1 where a
         WINDOW / CHECKPOINT pool let a page go that the resume does not need.
     node: the node ending at P; `lock` it before using the pages.
+
+    With a host tier, P counts pages on the device or the host:
+    device_len: the deepest resume point on the device alone (<= P).
+    host_table: [pools, P / page_size] host pages, -1 where the host has none.
+    load: [pools, P / page_size] the pages the resume reads that are only on the
+        host: copy them to device pages and `fill` the tree before using them.
+    Without one, device_len == P and host_table / load are None.
     """
 
     prefix_len: int
     logical_len: int
     page_table: np.ndarray
     node: Node
+    device_len: int | None = None
+    host_table: np.ndarray | None = None
+    load: np.ndarray | None = None
+
+    @property
+    def device_prefix_len(self) -> int:
+        return self.prefix_len if self.device_len is None else self.device_len
+
+    @property
+    def host_pages(self) -> int:
+        """Logical pages whose resume needs a copy from the host."""
+        return 0 if self.load is None else int(np.count_nonzero(self.load.any(axis=0)))
 
 
 @dataclass(frozen=True)
@@ -46,9 +65,14 @@ class InsertResult:
 
 @dataclass(frozen=True)
 class EvictResult:
-    """Per pool, the pages the tree let go. The caller frees exactly these."""
+    """Per pool, the pages the tree let go. The caller frees exactly these.
+
+    freed: device pages. freed_host: host pages (removing a node frees both
+    tiers, whichever one was evicted); empty without a host tier.
+    """
 
     freed: dict[str, np.ndarray]
+    freed_host: dict[str, np.ndarray] = field(default_factory=dict)
 
     def count(self, pool: str) -> int:
         return int(self.freed[pool].size)

@@ -42,6 +42,17 @@ class MatchRule:
         """Whether resuming needs more than the ALL rows (so a node can be dead weight)."""
         return any(k for _, k in self.windows) or bool(self.checkpoint_rows)
 
+    def needed(self, n_rows: int, q: int) -> np.ndarray:
+        """need[row, i]: whether resuming at boundary q reads page i of pool `row`."""
+        need = np.zeros((n_rows, q), dtype=bool)
+        if q == 0:
+            return need
+        need[self.all_rows] = True
+        for row, k in self.windows:
+            need[row, max(q - k, 0):] = True
+        need[list(self.checkpoint_rows), q - 1] = True
+        return need
+
     def resumable(self, pages: np.ndarray) -> np.ndarray:
         """ok[q] for q in 0..m, over a path's page table `pages` [rows, m]."""
         m = pages.shape[1]

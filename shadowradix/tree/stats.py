@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class PoolCounts:
     pages: int  # pages the tree holds
     locked: int  # of those, pinned by a lock
-    tombstones: int  # logical pages whose shadow in this pool is gone (-1)
+    tombstones: int  # logical pages whose device shadow in this pool is gone (-1)
+    host: int = 0  # pages the tree holds on the host tier
 
     @property
     def evictable(self) -> int:
@@ -39,7 +40,8 @@ class TreeStats:
             "resume_points": self.resume_points,
             "kept_checkpoints": self.kept_checkpoints,
             "pools": {name: {"pages": c.pages, "locked": c.locked, "evictable": c.evictable,
-                             "tombstones": c.tombstones} for name, c in self.pools.items()},
+                             "tombstones": c.tombstones, "host": c.host}
+                      for name, c in self.pools.items()},
         }
 
 
@@ -48,6 +50,7 @@ def count_stats(tree: ShadowRadix) -> TreeStats:
     pages = np.zeros(n_pools, np.int64)
     locked = np.zeros(n_pools, np.int64)
     tombs = np.zeros(n_pools, np.int64)
+    host = np.zeros(n_pools, np.int64)
     nodes = logical = resume = kept = 0
     kept_row = (tree.rule.checkpoint_rows or tuple(r for r, _ in tree.rule.windows) or (None,))[0]
     for node in tree.nodes():
@@ -56,6 +59,8 @@ def count_stats(tree: ShadowRadix) -> TreeStats:
         present = node.pages >= 0
         pages += present.sum(axis=1)
         tombs += (~present).sum(axis=1)
+        if node.host is not None:
+            host += (node.host >= 0).sum(axis=1)
         for row, spec in enumerate(tree.layout.pools):
             if spec.retention is Retention.ALL:
                 locked[row] += present[row].sum() if node.full_lock else 0
@@ -67,6 +72,6 @@ def count_stats(tree: ShadowRadix) -> TreeStats:
             kept += int((ok & node.keep[kept_row]).sum())
     return TreeStats(
         nodes=nodes, cached_pages=logical,
-        pools={p.name: PoolCounts(int(pages[i]), int(locked[i]), int(tombs[i]))
+        pools={p.name: PoolCounts(int(pages[i]), int(locked[i]), int(tombs[i]), int(host[i]))
                for i, p in enumerate(tree.layout.pools)},
         resume_points=resume, kept_checkpoints=kept)

@@ -1,0 +1,168 @@
+"""L2: host pools under the device pools, the write policies, and load-back.
+
+The tree records where each page lives (ShadowRadix, `host` shadow); this class
+decides what to copy and hands the copies to a Mover, which runs them off the
+scheduler's thread in submission order. Books change at submit time: a page
+filled in the tree may still be in flight, so every request records the newest
+ticket it depends on (`ready`) and the scheduler runs it only once that ticket
+is done. Reusing a page is safe because copies run in order: a page freed while
+a copy still reads it is only written by a later copy, or by a request whose
+`ready` covers the copy.
+
+Write policies (CacheConfig.write_policy):
+    write_through            back up every page the tree adopts, at insert
+    write_through_selective  back up a node once matches reached it `hit_threshold` times
+    write_back               back up a node's device pages only when eviction drops them
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tree.node import Node
+from shadowradix.tree.radix import DEVICE, HOST, PAGE
+from shadowradix.tree.results import MatchResult
+
+if TYPE_CHECKING:
+    from shadowradix.tiers.mover import Copy, Mover
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class HostTier:
+    def __init__(self, cache: PrefixCache, mover: Mover, write_policy: str = "write_through",
+                 hit_threshold: int = 2) -> None:
+        if not cache.has_host:
+            raise ValueError("the cache has no host pools (PrefixCache(host_pages=...))")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if hit_threshold < 1:
+            raise ValueError(f"hit_threshold must be >= 1, got {hit_threshold}")
+        self.cache = cache
+        self.tree = cache.tree
+        self.mover = mover
+        self.write_policy = write_policy
+        self.hit_threshold = hit_threshold
+        self.names = cache.layout.pool_names
+        self.counts: Counter[str] = Counter()  # pages loaded / backed up / spilled / skipped
+        if write_policy == "write_back":
+            self.tree.spill = self._spill
+
+    # ------------------------------------------------------------ load-back
+    def load_need(self, match: MatchResult) -> dict[str, int]:
+        """Device pages per pool that resuming at `match` must load from the host."""
+        if match.load is None:
+            return {}
+        return {name: int(np.count_nonzero(match.load[row]))
+                for row, name in enumerate(self.names)}
+
+    def load(self, match: MatchResult, pages: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Copy the host-only pages the resume needs into the given device pages (as
+        many per pool as `load_need` said), fill the tree, and return the request's
+        device page table for [0, prefix) (-1 where the resume reads nothing).
+        The copy is in flight: wait for `mover.last` before reading the pages."""
+        table = match.page_table.copy()
+        if match.load is None or not np.count_nonzero(match.load):
+            return table
+        assert match.host_table is not None
+        fill = np.full_like(table, -1)
+        copies: list[Copy] = []
+        for row, name in enumerate(self.names):
+            cells = match.load[row]
+            if np.count_nonzero(cells):
+                dst = np.asarray(pages[name], dtype=PAGE)
+                fill[row, cells] = dst
+                copies.append((name, HOST, match.host_table[row, cells], dst))
+        self.tree.fill(match.node, fill, DEVICE)
+        self.mover.submit(copies)
+        self.counts["loaded"] += int(np.count_nonzero(fill >= 0))
+        table[fill >= 0] = fill[fill >= 0]
+        return table
+
+    # ---------------------------------------------------------------- backup
+    def after_match(self, match: MatchResult) -> None:
+        """write_through_selective: back up the matched path's nodes that became hot."""
+        if self.write_policy == "write_through_selective":
+            self.backup(match.node, self.hit_threshold)
+
+    def after_insert(self, node: Node) -> None:
+        """write_through: back up what the tree just adopted (and anything above it)."""
+        if self.write_policy == "write_through":
+            self.backup(node)
+
+    def backup(self, node: Node, min_hits: int = 0) -> int:
+        """Copy the device pages on root..node that the host lacks; returns pages copied.
+        All or nothing: when the host cannot make room, nothing is copied."""
+        if not node.alive:
+            return 0
+        mask = self.tree.absent(node, HOST, min_hits)
+        need = {name: int(np.count_nonzero(mask[row])) for row, name in enumerate(self.names)}
+        if not any(need.values()):
+            return 0
+        got = self.cache.alloc(need, HOST)  # host LRU eviction; never touches the device
+        if got is None or not node.alive:
+            if got is not None:
+                self.cache.free(got, HOST)
+            self.counts["backup_skipped"] += sum(need.values())
+            return 0
+        self._copy_out(node, mask, got, path=True)
+        self.counts["backed_up"] += sum(need.values())
+        return sum(need.values())
+
+    def _copy_out(self, node: Node, mask: np.ndarray, host: Mapping[str, np.ndarray],
+                  path: bool = False) -> np.ndarray:
+        """Submit device -> host copies of the `mask` cells of the node (of root..node,
+        filled into the tree here, when `path`); returns the host ids laid out like mask."""
+        ids = np.full(mask.shape, -1, PAGE)
+        copies: list[Copy] = []
+        src = self._path_table(node) if path else node.pages
+        for row, name in enumerate(self.names):
+            cells = mask[row]
+            if np.count_nonzero(cells):
+                ids[row, cells] = host[name]
+                copies.append((name, DEVICE, src[row, cells], ids[row, cells]))
+        if path:
+            self.tree.fill(node, ids, HOST)
+        self.mover.submit(copies)
+        return ids
+
+    def _path_table(self, node: Node) -> np.ndarray:
+        """Device page ids of root..node as one [pools, node.end_page] table."""
+        parts = []
+        walk: Node | None = node
+        while walk is not None and walk is not self.tree.root:
+            parts.append(walk.pages)
+            walk = walk.parent
+        if not parts:
+            return np.empty((len(self.names), 0), PAGE)
+        return np.concatenate(parts[::-1], axis=1)
+
+    # ------------------------------------------------------------ write-back
+    def make_room(self, need: Mapping[str, int]) -> None:
+        """write_back: before a device allocation that may evict, free as many host pages
+        as the device may spill (the spill itself never evicts: it runs inside eviction)."""
+        if self.write_policy != "write_back":
+            return
+        short = max(need[name] - self.cache.pools[name].free_pages for name in need)
+        if short <= 0:
+            return
+        for name in self.names:
+            lack = short - self.cache.host_pools[name].free_pages
+            if lack > 0:
+                self.cache.evict(name, lack, HOST)
+
+    def _spill(self, node: Node, want: np.ndarray) -> np.ndarray:
+        """The tree's spill hook: copy the pages eviction drops to free host pages."""
+        need = {name: int(np.count_nonzero(want[row])) for row, name in enumerate(self.names)}
+        pools = self.cache.host_pools
+        if any(not pools[name].can_alloc(n) for name, n in need.items()):
+            self.counts["spill_skipped"] += sum(need.values())
+            return np.full(want.shape, -1, PAGE)
+        got = {name: pools[name].alloc(n) for name, n in need.items()}
+        self.counts["spilled"] += sum(need.values())
+        return self._copy_out(node, want, got)

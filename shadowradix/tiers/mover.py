@@ -1,0 +1,178 @@
+"""Asynchronous page copies between the device and host pools, in submission order.
+
+Every copy gets a ticket; tickets complete in order, so waiting for ticket t
+waits for everything submitted before it. The caller never blocks on submit.
+
+    ThreadMover  CPU pools: a worker thread runs the copies (torch releases the
+                 GIL inside them, so they overlap the model's forward).
+    StreamMover  CUDA pools: copies go on a dedicated stream after the work
+                 already queued on the compute stream; `wait` makes the compute
+                 stream wait on an event, and never blocks the CPU.
+
+A copy is (pool, source tier, source pages, destination pages); the other tier
+is the destination. `tensor(pool, tier)` resolves a pool's [layers, pages, ...]
+tensor. Runs of consecutive pages move as one slice per layer: contiguous
+memcpys, no gather buffer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+Copy = tuple[str, int, np.ndarray, np.ndarray]
+Tensors = Callable[[str, int], torch.Tensor]
+
+
+def page_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs where both page lists step by one."""
+    if src.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src.size]))
+    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+
+def copy_pages(tensor: Tensors, copies: Sequence[Copy], non_blocking: bool = False) -> int:
+    """Do the copies now (on the current stream); returns the bytes moved."""
+    moved = 0
+    for pool, tier, src_pages, dst_pages in copies:
+        src, dst = tensor(pool, tier), tensor(pool, 1 - tier)
+        for s, d, n in page_runs(np.asarray(src_pages), np.asarray(dst_pages)):
+            for layer in range(src.shape[0]):
+                dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=non_blocking)
+            moved += n * src[:, 0].numel() * src.element_size()
+    return moved
+
+
+class Mover:
+    """Ordered asynchronous copies. `submit` returns a ticket; 0 is always done."""
+
+    def __init__(self, tensor: Tensors) -> None:
+        self.tensor = tensor
+        self.last = 0  # the newest ticket handed out
+        self.bytes_moved = 0
+
+    def submit(self, copies: Sequence[Copy]) -> int:
+        raise NotImplementedError
+
+    def run(self, fn: Callable[[], None]) -> int:
+        """Run `fn` (host-side work on pool tensors) after everything submitted so far."""
+        raise NotImplementedError
+
+    def done(self, ticket: int) -> bool:
+        raise NotImplementedError
+
+    def wait(self, ticket: int) -> None:
+        """Make the compute that follows see the result of `ticket` and all before it."""
+        raise NotImplementedError
+
+    @property
+    def idle(self) -> bool:
+        return self.done(self.last)
+
+    def close(self) -> None:
+        """Finish what was submitted and release the worker."""
+
+
+class ThreadMover(Mover):
+    def __init__(self, tensor: Tensors) -> None:
+        super().__init__(tensor)
+        self._queue: queue.SimpleQueue[tuple[int, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._finished = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="shadowradix-mover", daemon=True)
+        self._thread.start()
+
+    def submit(self, copies: Sequence[Copy]) -> int:
+        return self.run(lambda: self._count(copy_pages(self.tensor, copies)))
+
+    def _count(self, moved: int) -> None:
+        self.bytes_moved += moved
+
+    def run(self, fn: Callable[[], None]) -> int:
+        if self._error is not None:
+            raise RuntimeError("a page copy failed earlier") from self._error
+        self.last += 1
+        self._queue.put((self.last, fn))
+        return self.last
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            ticket, fn = item
+            try:
+                fn()
+            except BaseException as exc:  # surfaced by the next wait or submit
+                self._error = exc
+            with self._cond:
+                self._finished = ticket
+                self._cond.notify_all()
+
+    def done(self, ticket: int) -> bool:
+        return self._finished >= ticket
+
+    def wait(self, ticket: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished >= ticket)
+        if self._error is not None:
+            raise RuntimeError("a page copy failed") from self._error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+class StreamMover(Mover):
+    def __init__(self, tensor: Tensors, device: torch.device) -> None:
+        super().__init__(tensor)
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def submit(self, copies: Sequence[Copy]) -> int:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # see the KV written
+        with torch.cuda.stream(self.stream):
+            self.bytes_moved += copy_pages(self.tensor, copies, non_blocking=True)
+            return self._record()
+
+    def run(self, fn: Callable[[], None]) -> int:
+        self.wait_host(self.last)
+        fn()
+        return self.last
+
+    def _record(self) -> int:
+        self.last += 1
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self._events[self.last] = event
+        for old in [t for t in self._events if t < self.last and self._events[t].query()]:
+            del self._events[old]
+        return self.last
+
+    def done(self, ticket: int) -> bool:
+        return all(ev.query() for t, ev in self._events.items() if t <= ticket)
+
+    def wait(self, ticket: int) -> None:
+        event = self._events.get(ticket)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def wait_host(self, ticket: int) -> None:
+        event = self._events.get(ticket)
+        if event is not None:
+            event.synchronize()
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def mover_for(tensor: Tensors, device: torch.device) -> Mover:
+    return StreamMover(tensor, device) if device.type == "cuda" else ThreadMover(tensor)
