@@ -170,7 +170,7 @@ def test_invalid_sampling_params(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(page_size=0), "page_size"),
     (dict(page_size=16, device_tokens=8), "device_tokens"),
-    (dict(host_tokens=1024), "host"),
+    (dict(page_size=16, host_tokens=8), "host_tokens"),
     (dict(hisparse_buffer=64), "HiSparse"),
 ])
 def test_invalid_cache_config(kwargs, match):
