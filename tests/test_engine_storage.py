@@ -16,9 +16,9 @@ def model():
     return tiny_model()
 
 
-def two_engines(model, url: str, prompt: list[int]):
+def two_engines(model, url: str, prompt: list[int], host_tokens: int = 0):
     """Engine 1 serves `prompt` and writes through; engine 2 (empty device) gets turn 2."""
-    cfg = CacheConfig(page_size=16, device_tokens=2048, storage=url)
+    cfg = CacheConfig(page_size=16, device_tokens=2048, host_tokens=host_tokens, storage=url)
     first = Engine.from_hf(model, cfg)
     r1 = first.generate([prompt], P)[0]
     first.close()
@@ -36,11 +36,14 @@ def redis_url(tmp_path):
     server.stop()
 
 
-@pytest.mark.parametrize("backend", ["file", "redis"])
-def test_a_fresh_engine_hits_from_storage_exactly(model, tmp_path, redis_url, backend):
+@pytest.mark.parametrize("backend,host_tokens", [("file", 0), ("redis", 0), ("file", 4096),
+                                                 ("redis", 4096)])
+def test_a_fresh_engine_hits_from_storage_exactly(model, tmp_path, redis_url, backend,
+                                                  host_tokens):
+    """L3 -> L1 without a host tier; L3 -> L2 -> L1 with one."""
     url = f"file://{tmp_path / 'l3'}" if backend == "file" else redis_url.url
     prompt = rand_tokens(75, 40)
-    eng, turn2 = two_engines(model, url, prompt)
+    eng, turn2 = two_engines(model, url, prompt, host_tokens)
     r = eng.generate([turn2], P, return_logits=True)[0]
     assert r.cached_by_tier == {"device": 0, "host": 0, "storage": 64}
     check(model, turn2, r)
@@ -48,6 +51,12 @@ def test_a_fresh_engine_hits_from_storage_exactly(model, tmp_path, redis_url, ba
     assert again.cached_by_tier["device"] == 80 and again.cached_by_tier["storage"] == 0
     check(model, turn2, again)
     assert eng.stats()["hits"]["storage"] == 64 and eng.stats()["storage_errors"] == 0
+    if host_tokens:  # the prefix went through the host: it serves after a device flush
+        eng.cache.flush(tiers=("device",))
+        third = eng.generate([turn2], P, return_logits=True)[0]
+        assert third.cached_by_tier["host"] == 80
+        check(model, turn2, third)
+    eng.close()
 
 
 def test_corrupt_or_truncated_objects_mean_recompute(model, tmp_path):

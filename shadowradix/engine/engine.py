@@ -80,14 +80,7 @@ class Engine:
             self.storage = StorageTier(open_storage(config.storage), self._prefix)
         self.host = None
         if host_pages is not None:
-            tiers = self._prefix
-
-            def tensor(pool: str, tier: int) -> torch.Tensor:
-                storage = tiers.tier_pools(tier)[pool].storage
-                assert storage is not None
-                return storage.data
-
-            self.host = HostTier(self._prefix, mover_for(tensor, self.device),
+            self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),
                                  config.write_policy, config.write_hit_threshold)
         self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage,
                                    self.host)
@@ -238,4 +231,4 @@ class Engine:
         if self.host is not None:
             self.host.mover.close()
         if self.storage is not None:
-            self.storage.backend.close()
+            self.storage.close()

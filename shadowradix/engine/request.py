@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from shadowradix.engine.config import SamplingParams
 from shadowradix.model.context import RequestKV
+from shadowradix.tiers.storage_tier import Fetched
 from shadowradix.tree.results import LockHandle, MatchResult
 
 
@@ -43,6 +45,8 @@ class Request:
     from_host: int = 0  # of those, loaded back from L2
     from_storage: int = 0  # of those, loaded from L3
     ready: int = 0  # the host-copy ticket its first forward must wait for
+    prefetch: Future[Fetched] | None = None  # L3 reads for its prompt, started while it waits
+    landed: int = 0  # pages of those put on the host tier (L3 -> L2), before its match
     computed: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
     done: bool = False

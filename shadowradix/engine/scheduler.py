@@ -13,7 +13,9 @@ the compute of the requests admitted before it.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -22,7 +24,12 @@ from shadowradix.engine.request import Request
 from shadowradix.model.context import RequestKV
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tiers.storage_tier import StorageTier
+from shadowradix.tiers.storage_tier import Fetched, StorageTier
+from shadowradix.tree.radix import HOST
+
+_PENDING = Fetched(-1, -1, [])  # a prefetch still in flight
+_NOTHING: Future[Fetched] = Future()  # a prefetch already used
+_NOTHING.set_result(Fetched(0, 0, []))
 
 
 @dataclass(frozen=True)
@@ -56,11 +63,18 @@ class Scheduler:
 
     def admit(self) -> None:
         """Match, lock, allocate, load back, in arrival order; stop at the first that does
-        not fit."""
+        not fit, or whose storage prefetch is still in flight while others can run."""
         ps = self.page_size
         while self.waiting:
             req = self.waiting[0]
-            m = self.cache.match(req.ids[:req.prompt_len])
+            prompt = np.asarray(req.ids[:req.prompt_len], dtype=np.int32)
+            fetched = self._prefetched(req, prompt)
+            if fetched is _PENDING:
+                return  # the running requests compute while storage answers
+            if fetched is not None and self.host is not None:
+                self._land_on_host(req, prompt, fetched)  # L3 -> L2; the match sees it
+                fetched = None
+            m = self.cache.match(prompt)
             handle = self.cache.lock(m)
             done, total = m.prefix_len // ps, req.pages_needed(ps)
             load = self.host.load_need(m) if self.host is not None else {}
@@ -73,20 +87,17 @@ class Scheduler:
                 return  # waits for running requests to finish and free pages
             self.waiting.popleft()
             prefix = m.page_table
-            if self.host is not None:  # host -> device copies start now; req.ready waits
+            if self.host is not None:  # L2 -> L1 copies start now; req.ready waits for them
                 prefix = self.host.load(m, {n: got[n][:load.get(n, 0)] for n in got})
                 got = {n: got[n][load.get(n, 0):] for n in got}
                 self.host.after_match(m)
                 req.ready = self.host.mover.last
             resume = done
-            if self.storage is not None:
-                prompt = np.asarray(req.ids[:req.prompt_len], dtype=np.int32)
-                q, hashes = self.storage.probe(prompt, prefix, (req.prompt_len - 1) // ps)
-                if q > done:
-                    if self.host is not None:  # pages may be reused: pending copies go first
-                        self.host.mover.wait(self.host.mover.last)
-                    if self.storage.load(hashes, done, q, {n: got[n][:q - done] for n in got}):
-                        resume = q
+            if fetched is not None and fetched.pages and fetched.start == done:  # L3 -> L1
+                assert self.storage is not None
+                self.storage.write(fetched, {n: got[n][:fetched.pages] for n in got},
+                                   self.cache.tensor)
+                resume = fetched.stop
             tables = {}
             for row, name in enumerate(self.cache.layout.pool_names):
                 table = np.empty(total, dtype=np.int64)
@@ -96,9 +107,48 @@ class Scheduler:
             req.match, req.handle, req.own = m, handle, got
             req.kv = RequestKV(tables)
             req.cached = req.computed = resume * ps
-            req.from_host = done * ps - m.device_prefix_len
-            req.from_storage = (resume - done) * ps
+            from_host = done * ps - m.device_prefix_len
+            landed = min(req.landed * ps, from_host)  # host pages that came from storage
+            req.from_host = from_host - landed
+            req.from_storage = landed + (resume - done) * ps
             self.running.append(req)
+
+    def _prefetched(self, req: Request, prompt: np.ndarray) -> Fetched | None:
+        """The request's storage read: started on first sight (past what the device and
+        host hold), _PENDING while in flight and others can run, then its result."""
+        if self.storage is None:
+            return None
+        if req.prefetch is None:
+            peek = self.cache.match(prompt)  # nothing locked: only where to start reading
+            held = peek.page_table if peek.host_table is None else np.where(
+                peek.page_table >= 0, peek.page_table, peek.host_table)
+            req.prefetch = self.storage.prefetch(prompt, held, (req.prompt_len - 1)
+                                                 // self.page_size)
+        if not req.prefetch.done() and self.running:
+            return _PENDING
+        fetched = req.prefetch.result()
+        return fetched if fetched.pages else None
+
+    def _land_on_host(self, req: Request, prompt: np.ndarray, fetched: Fetched) -> None:
+        """Put fetched pages on the host tier under the tree's prefix, once (L3 -> L2)."""
+        assert self.host is not None and self.storage is not None
+        ps, storage = self.page_size, self.storage
+        req.prefetch = _NOTHING
+        peek = self.cache.match(prompt)
+        if peek.prefix_len // ps != fetched.start:
+            return  # the tiers changed while storage answered: the pages no longer attach
+        handle = self.cache.lock(peek)  # host eviction must not take the prefix we attach to
+        try:
+            got = self.cache.alloc({n: fetched.pages for n in self.cache.pools}, HOST)
+            if got is None:
+                return
+            host_tensor = partial(self.cache.tensor, tier=HOST)
+            self.host.mover.run(lambda: storage.write(fetched, got, host_tensor))
+            pages = np.stack([got[n] for n in self.cache.layout.pool_names])
+            self.cache.insert(prompt[:fetched.stop * ps], pages, fetched.start, tier=HOST)
+            req.landed = fetched.pages
+        finally:
+            self.cache.unlock(handle)
 
     def ready(self, req: Request) -> bool:
         """Whether the request's host copies are done (so a step need not wait for them)."""
@@ -138,7 +188,8 @@ class Scheduler:
         full = req.computed // ps
         if self.storage is not None:  # write-through of what this request computed
             self.storage.save(np.asarray(req.ids[:full * ps], dtype=np.int32), loaded, full,
-                              {n: p[loaded - done:full - done] for n, p in req.own.items()})
+                              {n: p[loaded - done:full - done] for n, p in req.own.items()},
+                              self.cache.tensor)
         own = np.stack([req.own[name][:full - done] for name in self.cache.layout.pool_names])
         result = self.cache.insert(req.ids[:full * ps], own, done)
         if self.host is not None:

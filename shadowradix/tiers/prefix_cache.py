@@ -71,6 +71,13 @@ class PrefixCache:
     def tier_pools(self, tier: int) -> dict[str, PagePool]:
         return self.pools if tier == DEVICE else self.host_pools
 
+    def tensor(self, pool: str, tier: int = DEVICE) -> Any:
+        """The [layers, pages, ...] tensor behind one pool of one tier."""
+        storage = self.tier_pools(tier)[pool].storage
+        if storage is None:
+            raise ValueError(f"pool {pool!r} is metadata-only (no tensors)")
+        return storage.data
+
     # --------------------------------------------------------------- reuse
     def match(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
         return self.tree.match_prefix(tokens)
@@ -106,11 +113,11 @@ class PrefixCache:
                 pools[name].free(ids)
 
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
-               start: int = 0, *, finished: bool = True) -> InsertResult:
-        """Hand a request's own pages for [start, ...) to the tree (see ShadowRadix.insert);
-        the ones it does not adopt are freed here."""
-        result = self.tree.insert(tokens, pages, start, finished=finished)
-        self.free(result.to_free)
+               start: int = 0, *, finished: bool = True, tier: int = DEVICE) -> InsertResult:
+        """Hand a request's own pages of `tier` for [start, ...) to the tree (see
+        ShadowRadix.insert); the ones it does not adopt are freed here."""
+        result = self.tree.insert(tokens, pages, start, finished=finished, tier=tier)
+        self.free(result.to_free, tier)
         return result
 
     def evict(self, pool: str, num_pages: int, tier: int = DEVICE) -> int:

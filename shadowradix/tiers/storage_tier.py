@@ -1,83 +1,115 @@
-"""L3 under the device tier: write-through of computed pages, exact load-back on a miss.
+"""L3: write-through of computed pages, and prefetch of what the tiers above lack.
 
 A page is stored as one object per pool, keyed by the chained hash of its tokens
 (so a key names its whole prefix), in the layout's namespace. A request may resume
-from storage at page boundary Q only under the same match rule as the device tier,
-and only if every pool's object for every page it loads arrived intact; anything
-else (missing, corrupt, unreachable) is a miss and the pages are recomputed.
+from storage at page boundary Q only under the same match rule as the tree, and
+only if every pool's object for every page it loads arrived intact; anything else
+(missing, corrupt, unreachable) is a miss and the pages are recomputed.
+
+Reads run on a prefetch thread (`prefetch` returns a Future), so a slow store
+delays only the request that waits for it, never the running batch. The backend
+is called under one lock: the prefetch thread and write-through share it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shadowradix.pool.allocator import PagePool
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage.backend import StorageBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """Stored pages [start, stop) of one prompt, every pool's object of each, intact.
+
+    blobs[(i - start) * pools + j] is page i of pool j (the layout's order).
+    """
+
+    start: int
+    stop: int
+    blobs: list[bytes]
+
+    @property
+    def pages(self) -> int:
+        return self.stop - self.start
+
+
 class StorageTier:
     def __init__(self, backend: StorageBackend, cache: PrefixCache) -> None:
         self.backend = backend
-        self.pools: dict[str, PagePool] = cache.pools
+        self.names = cache.layout.pool_names
         self.page_size = cache.layout.page_size
         self.namespace = namespace(cache.layout)
         self.rule = cache.tree.rule
+        # Bytes of one page of each pool: [layers, entries_per_page, *entry].
+        self.page_bytes = cache.layout.page_bytes()
         self.bytes_read = 0
         self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-prefetch")
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
         return [object_key(self.namespace, name, hashes[i])
-                for i in range(lo, hi) for name in self.pools]
+                for i in range(lo, hi) for name in self.names]
 
-    def probe(self, tokens: np.ndarray, device_table: np.ndarray,
-              limit: int) -> tuple[int, list[bytes]]:
-        """Deepest page boundary Q <= limit reachable with device pages [0, done) plus
-        stored pages [done, Q) (every pool present for every page in that range), and the
-        page hashes of `tokens` for `load` to reuse."""
-        done = device_table.shape[1]
+    # -------------------------------------------------------------- reads
+    def prefetch(self, tokens: np.ndarray, table: np.ndarray, limit: int) -> Future[Fetched]:
+        """Start fetching what lies past `table` (the pages [0, table.shape[1]) the tiers
+        above hold: >= 0 where present) up to page `limit`; see `fetch`."""
+        return self._thread.submit(self.fetch, tokens.copy(), table.copy(), limit)
+
+    def fetch(self, tokens: np.ndarray, table: np.ndarray, limit: int) -> Fetched:
+        """The deepest boundary Q <= limit reachable with `table` plus stored pages
+        [done, Q), and those pages' objects; empty (stop == start) on any miss."""
+        done = table.shape[1]
+        empty = Fetched(done, done, [])
         if limit <= done:
-            return done, []
+            return empty
         hashes = page_hashes(tokens[:limit * self.page_size], self.page_size)
-        found = self.backend.batch_exists(self._keys(hashes, done, limit))
-        whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.pools)).all(axis=1)
+        with self._lock:
+            found = self.backend.batch_exists(self._keys(hashes, done, limit))
+        whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.names)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
         if stop == done:
-            return done, hashes
-        table = np.concatenate([device_table, np.zeros((len(self.pools), stop - done),
-                                                       dtype=device_table.dtype)], axis=1)
-        return max(self.rule.deepest(table), done), hashes
-
-    def load(self, hashes: list[bytes], done: int, q: int,
-             pages: Mapping[str, np.ndarray]) -> bool:
-        """Copy stored pages [done, q) (keys from `probe`'s hashes) into the device pages
-        `pages[pool][0:q-done]`. False (nothing usable) if any object is missing, corrupt
-        or the wrong size."""
-        blobs = self.backend.batch_get(self._keys(hashes, done, q))
-        names = list(self.pools)
+            return empty
+        ext = np.concatenate([table, np.zeros((len(self.names), stop - done), table.dtype)],
+                             axis=1)
+        q = self.rule.deepest(ext)
+        if q <= done:
+            return empty
+        with self._lock:
+            blobs = self.backend.batch_get(self._keys(hashes, done, q))
         for i, blob in enumerate(blobs):
-            name = names[i % len(names)]
-            data = self._tensor(name)
-            if blob is None or len(blob) != data[:, 0].numel() * data.element_size():
-                return False
+            if blob is None or len(blob) != self.page_bytes[self.names[i % len(self.names)]]:
+                return empty  # missing or the wrong size: a miss (checksums failed inside)
+        self.bytes_read += sum(len(b) for b in blobs if b is not None)
+        return Fetched(done, q, [b for b in blobs if b is not None])
+
+    def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
+              tensor: Callable[[str], Any]) -> None:
+        """Copy fetched pages into pool pages: page start + i of pool p goes to
+        `pages[p][i]` of the tensor `tensor(p)` ([layers, pages, ...], any device)."""
         import torch
 
-        for i, blob in enumerate(blobs):
-            name = names[i % len(names)]
-            data = self._tensor(name)
-            assert blob is not None
-            page = int(pages[name][i // len(names)])
+        n = len(self.names)
+        for k, blob in enumerate(fetched.blobs):
+            name = self.names[k % n]
+            data = tensor(name)
+            page = int(pages[name][k // n])
             raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(data.dtype)
             data[:, page] = raw.view(data[:, page].shape).to(data.device)
-            self.bytes_read += len(blob)
-        return True
 
-    def save(self, tokens: np.ndarray, lo: int, hi: int,
-             pages: Mapping[str, np.ndarray]) -> None:
+    # ------------------------------------------------------------- writes
+    def save(self, tokens: np.ndarray, lo: int, hi: int, pages: Mapping[str, np.ndarray],
+             tensor: Callable[[str], Any]) -> None:
         """Write-through: store pages [lo, hi) of every pool (`pages[pool][0:hi-lo]`)."""
         if hi <= lo:
             return
@@ -85,22 +117,24 @@ class StorageTier:
 
         hashes = page_hashes(tokens[:hi * self.page_size], self.page_size)
         keys = self._keys(hashes, lo, hi)
-        names = list(self.pools)
+        n = len(self.names)
         items = []
-        for i, key in enumerate(keys):
-            name = names[i % len(names)]
-            page = int(pages[name][i // len(names)])
-            page_data = self._tensor(name)[:, page].contiguous().reshape(-1)
+        for k, key in enumerate(keys):
+            name = self.names[k % n]
+            page = int(pages[name][k // n])
+            page_data = tensor(name)[:, page].contiguous().reshape(-1)
             payload = page_data.view(torch.uint8).cpu().numpy().tobytes()  # any dtype, bf16 too
             items.append((key, payload))
-        ok = self.backend.batch_set(items)
+        with self._lock:
+            ok = self.backend.batch_set(items)
         self.bytes_written += sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
-
-    def _tensor(self, name: str) -> Any:
-        storage = self.pools[name].storage
-        assert storage is not None, "the storage tier needs pools with tensor storage"
-        return storage.data
 
     @property
     def errors(self) -> int:
         return sum(self.backend.errors.values())
+
+    def close(self) -> None:
+        """Wait for the prefetches in flight, then close the backend."""
+        self._thread.shutdown(wait=True)
+        with self._lock:
+            self.backend.close()

@@ -160,7 +160,7 @@ class ShadowRadix:
 
     # ----------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
-               start: int = 0, *, finished: bool = True) -> InsertResult:
+               start: int = 0, *, finished: bool = True, tier: int = DEVICE) -> InsertResult:
         """Adopt the pages a request owns for pages [start, len(tokens) // page_size).
 
         pages: [pools, n - start] int page ids, -1 where the request holds none.
@@ -171,7 +171,8 @@ class ShadowRadix:
         back in `to_free`; tombstones are filled from the request. A checkpoint
         is kept at the end (when `finished`; a running request inserting its
         prefix keeps its live window to itself), at marked branch points and
-        every `policy.every_pages` pages. Mutates the tree; allocates nothing.
+        every `policy.every_pages` pages. `tier=HOST` adopts host pages instead
+        (pages fetched from storage land there). Mutates the tree; allocates nothing.
         """
         tokens = as_tokens(tokens)
         ps = self.page_size
@@ -201,30 +202,36 @@ class ShadowRadix:
             if hi <= start:
                 continue  # the borrowed prefix: the request hands over nothing here
             give = req >= 0
-            fill = give & (seg.pages < 0)
-            if self.policy.eager_window_release:
+            slot = seg.slot(tier)
+            fill = give & (slot < 0)
+            if self.policy.eager_window_release and tier == DEVICE:
                 fill &= self._adoptable(seg_keep, hi - lo)
-            drop = give & ~fill & (req != seg.pages)
+            drop = give & ~fill & (req != slot)
             if np.count_nonzero(fill):
-                seg.pages[fill] = req[fill]
-                self._count(fill, +1)
+                slot[fill] = req[fill]
+                self._count(fill, +1, tier)
             if np.count_nonzero(drop):
                 to_free.append(np.where(drop, req, -1))
             self._enqueue(seg)
         if depth < n:
             req = table[:, depth:]
-            leaf = self._new_node(tokens[depth * ps:n * ps].copy(), req, node, depth)
+            if tier == DEVICE:
+                leaf = self._new_node(tokens[depth * ps:n * ps].copy(), req, node, depth)
+            else:
+                leaf = self._new_node(tokens[depth * ps:n * ps].copy(),
+                                      np.full_like(req, -1), node, depth)
+                leaf.slot(tier)[:] = req
             leaf_keep = self._keep_mask(keep, depth, n)
             if leaf_keep is not None:
                 leaf.keep[:] = leaf_keep
-            if self.policy.eager_window_release:
+            if self.policy.eager_window_release and tier == DEVICE:
                 drop = (req >= 0) & ~self._adoptable(leaf_keep, n - depth)
                 if np.count_nonzero(drop):
                     to_free.append(np.where(drop, req, -1))
                     leaf.pages[drop] = -1
             node.children[leaf.key(ps)] = leaf
             self._n_nodes += 1
-            self._count(leaf.pages >= 0, +1)
+            self._count(leaf.slot(tier) >= 0, +1, tier)
             segments.append(leaf)
             self._enqueue(leaf)
         self._touch(segments)
