@@ -1,12 +1,15 @@
-"""HiCache tiers so far: L3 throughput against the raw client, and what L3 saves.
+"""HiCache tiers: copy and store throughput against raw baselines, and what each tier saves.
 
     python benchmarks/tiers.py [--json OUT]
 
-1. L3 get/set throughput of RedisBackend (checksummed objects, pipelined) as a ratio to
+1. L2 -> L1 load-back: the Mover (worker thread, page runs sliced per layer) copying
+   host pages into device pages, as a ratio to one raw torch copy of the same bytes
+   between contiguous buffers. Consecutive pages and scattered pages.
+2. L3 get/set throughput of RedisBackend (checksummed objects, pipelined) as a ratio to
    raw pipelined `redis` calls with the same values, and of FileBackend against raw
    file writes and reads of the same bytes. A real Valkey/Redis server on 127.0.0.1.
-2. The multi-turn workload with a small device tier: L1 only vs L1 + L3 (file://),
-   prefill tokens computed and wall time. (L2, the host tier, is not built yet.)
+3. The multi-turn workload with a small device tier: L1 only, L1+L2, L1+L2+L3
+   (file://): prefill tokens computed, wall time, hits per tier.
 """
 
 from __future__ import annotations
@@ -87,6 +90,49 @@ def file_ratio(workdir: Path) -> dict:
     return {"set_ratio": t_raw_set / t_set, "get_ratio": t_raw_get / t_get}
 
 
+def loadback_ratio() -> dict:
+    """Host -> device page copies through the Mover vs one raw contiguous torch copy."""
+    import numpy as np
+    import torch
+
+    from shadowradix.layout import KVLayout, PoolSpec, Retention
+    from shadowradix.tiers import PrefixCache
+    from shadowradix.tiers.mover import ThreadMover
+    from shadowradix.tree.radix import HOST
+
+    layers, pages, n = 8, 96, 64  # 2 MiB pages (256 tokens x 512 bf16 x 8 layers)
+    layout = KVLayout("bench", (PoolSpec("kv", 1, Retention.ALL, (512,), "bfloat16", layers),),
+                      256)
+    cache = PrefixCache(layout, pages, device="cpu", host_pages=pages)
+    host = cache.tensor("kv", HOST)
+    host.copy_(torch.randn(host.shape).to(host.dtype))
+    mover = ThreadMover(cache.tensor)
+    rng = np.random.default_rng(0)
+    nbytes = n * host[:, 0].numel() * host.element_size()
+    src_raw = torch.empty(nbytes, dtype=torch.uint8)
+    dst_raw = torch.empty(nbytes, dtype=torch.uint8)
+    src_raw.copy_(host.view(torch.uint8).flatten()[:nbytes])
+    out = {"bytes": nbytes}
+    for case in ("consecutive", "scattered"):
+        if case == "consecutive":
+            src, dst = np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32) + 8
+        else:
+            src = rng.permutation(pages)[:n].astype(np.int32)
+            dst = rng.permutation(pages)[:n].astype(np.int32)
+
+        def ours(src=src, dst=dst):
+            mover.wait(mover.submit([("kv", HOST, src, dst)]))
+
+        ours()  # warm the pages
+        t_raw = min(timed(lambda: dst_raw.copy_(src_raw)) for _ in range(5))
+        t_ours = min(timed(ours) for _ in range(5))
+        assert torch.equal(cache.tensor("kv")[:, int(dst[3])], host[:, int(src[3])])
+        out[case] = {"ratio": t_raw / t_ours, "GBps": nbytes / t_ours / 1e9,
+                     "raw_GBps": nbytes / t_raw / 1e9}
+    mover.close()
+    return out
+
+
 def multi_turn(workdir: Path) -> dict:
     from shadowradix.demo import conversations, scaled_prompt, tiny_deepseek_v4
     from shadowradix.engine import CacheConfig, Engine, SamplingParams
@@ -96,15 +142,18 @@ def multi_turn(workdir: Path) -> dict:
     trace = conversations(load_trace(bundled_trace("conversation")), 4, 32)
     prompts = [scaled_prompt(r, 16, model.config.vocab_size) for r in trace]
     out = {}
-    for setup, storage in (("L1", None), ("L1+L3", f"file://{workdir / 'l3'}")):
+    setups = (("L1", 0, None), ("L1+L2", 4096, None),
+              ("L1+L2+L3", 4096, f"file://{workdir / 'l3'}"))
+    for setup, host_tokens, storage in setups:
         eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=1024,
-                                                storage=storage))
+                                                host_tokens=host_tokens, storage=storage))
         t0 = time.perf_counter()
         for p in prompts:
             eng.generate([p], SamplingParams(max_new_tokens=4, ignore_eos=True))
         st = eng.stats()
         out[setup] = {"wall_s": time.perf_counter() - t0, "prefill_tokens": st["prefill_tokens"],
                       "hits": st["hits"]}
+        eng.close()
     return out
 
 
@@ -116,15 +165,20 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         (work / "r").mkdir()
         (work / "f").mkdir()
-        result = {"redis": redis_ratio(work / "r"), "file": file_ratio(work / "f"),
-                  "multi_turn": multi_turn(work)}
-    r, f, mt = result["redis"], result["file"], result["multi_turn"]
+        result = {"loadback": loadback_ratio(), "redis": redis_ratio(work / "r"),
+                  "file": file_ratio(work / "f"), "multi_turn": multi_turn(work)}
+    lb, r, f, mt = result["loadback"], result["redis"], result["file"], result["multi_turn"]
+    for case in ("consecutive", "scattered"):
+        row = lb[case]
+        print(f"L2->L1 load-back, {lb['bytes'] / 2**20:.0f} MiB, {case} pages: "
+              f"{row['ratio']:.2f}x a raw torch copy ({row['GBps']:.1f} vs "
+              f"{row['raw_GBps']:.1f} GB/s)")
     print(f"L3 redis ({N} x {PAGE_BYTES // 1024} KiB): set {r['set_ratio']:.2f}x, "
           f"get {r['get_ratio']:.2f}x the raw pipelined client "
           f"({r['set_MBps']:.0f} / {r['get_MBps']:.0f} MB/s)")
     print(f"L3 file: set {f['set_ratio']:.2f}x, get {f['get_ratio']:.2f}x raw file I/O")
     for setup, row in mt.items():
-        print(f"multi-turn, 1K-token device tier, {setup}: prefill {row['prefill_tokens']:,} "
+        print(f"multi-turn, 1K-token device tier, {setup:8}: prefill {row['prefill_tokens']:,} "
               f"tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
     write_json(args.json, result)
     return 0

@@ -17,9 +17,11 @@ memcpys, no gather buffer.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,16 +41,36 @@ def page_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
-def copy_pages(tensor: Tensors, copies: Sequence[Copy], non_blocking: bool = False) -> int:
-    """Do the copies now (on the current stream); returns the bytes moved."""
-    moved = 0
+def page_moves(tensor: Tensors, copies: Sequence[Copy],
+               per_layer: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) slice pairs that together perform `copies`."""
+    moves = []
     for pool, tier, src_pages, dst_pages in copies:
         src, dst = tensor(pool, tier), tensor(pool, 1 - tier)
         for s, d, n in page_runs(np.asarray(src_pages), np.asarray(dst_pages)):
-            for layer in range(src.shape[0]):
-                dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=non_blocking)
-            moved += n * src[:, 0].numel() * src.element_size()
-    return moved
+            if per_layer:
+                moves += [(dst[layer, d:d + n], src[layer, s:s + n])
+                          for layer in range(src.shape[0])]
+            else:
+                moves.append((dst[:, d:d + n], src[:, s:s + n]))
+    return moves
+
+
+def copy_pages(tensor: Tensors, copies: Sequence[Copy], non_blocking: bool = False,
+               pool: ThreadPoolExecutor | None = None, workers: int = 1) -> int:
+    """Do the copies now (on the current stream, or spread over `pool`); returns the
+    bytes moved."""
+    moves = page_moves(tensor, copies, per_layer=non_blocking)
+
+    def run(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in part:
+            dst.copy_(src, non_blocking=non_blocking)
+
+    if pool is None or workers < 2 or len(moves) < 2:
+        run(moves)
+    else:
+        list(pool.map(run, [moves[i::workers] for i in range(workers)]))
+    return sum(src.numel() * src.element_size() for _, src in moves)
 
 
 class Mover:
@@ -82,8 +104,11 @@ class Mover:
 
 
 class ThreadMover(Mover):
-    def __init__(self, tensor: Tensors) -> None:
+    def __init__(self, tensor: Tensors, workers: int | None = None) -> None:
         super().__init__(tensor)
+        self.workers = workers or min(4, os.cpu_count() or 1)
+        self._pool = (ThreadPoolExecutor(self.workers, thread_name_prefix="shadowradix-copy")
+                      if self.workers > 1 else None)
         self._queue: queue.SimpleQueue[tuple[int, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._finished = 0
         self._cond = threading.Condition()
@@ -92,7 +117,8 @@ class ThreadMover(Mover):
         self._thread.start()
 
     def submit(self, copies: Sequence[Copy]) -> int:
-        return self.run(lambda: self._count(copy_pages(self.tensor, copies)))
+        return self.run(lambda: self._count(
+            copy_pages(self.tensor, copies, pool=self._pool, workers=self.workers)))
 
     def _count(self, moved: int) -> None:
         self.bytes_moved += moved
@@ -128,6 +154,8 @@ class ThreadMover(Mover):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 class StreamMover(Mover):
