@@ -73,14 +73,34 @@ def test_corrupt_or_truncated_objects_mean_recompute(model, tmp_path):
     assert eng.stats()["storage_errors"] >= 1
 
 
-def test_unwritable_store_and_full_cap_keep_requests_exact(model, tmp_path):
+def test_unwritable_store_keeps_requests_exact(model, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048,
                                             storage=f"file://{blocker}"))
     prompt = rand_tokens(50, 42)
     check(model, prompt, eng.generate([prompt], P, return_logits=True)[0])
+    eng.storage.drain()  # write-through runs on the storage thread
     assert eng.stats()["storage_errors"] >= 1
+
+
+def test_a_full_disk_cap_keeps_requests_exact(model, tmp_path):
+    """A cap of a few pages: most of the prefix is gone from disk by the second engine,
+    so it hits part of it or nothing, and is exact either way."""
+    root = tmp_path / "l3"
+    cfg = CacheConfig(page_size=16, device_tokens=2048, storage=f"file://{root}",
+                      storage_cap_bytes=40_000)
+    first = Engine.from_hf(model, cfg)
+    prompt = rand_tokens(75, 44)
+    r1 = first.generate([prompt], P)[0]
+    first.close()
+    assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) <= 40_000
+    second = Engine.from_hf(model, cfg)
+    turn2 = prompt + r1.output_ids + rand_tokens(9, 45)
+    r = second.generate([turn2], P, return_logits=True)[0]
+    check(model, turn2, r)
+    assert r.cached_by_tier["storage"] < 64
+    second.close()
 
 
 def test_server_killed_mid_run_requests_complete_exactly(model, redis_url):

@@ -72,6 +72,26 @@ class TieredMachine(CacheMachine):
                          data.draw(st.integers(1, 8)))
         self._admit(tokens + data.draw(st.lists(st.integers(0, 3), max_size=5)))
 
+    @precondition(lambda self: self.inserted)
+    @rule(data=st.data())
+    def land_from_storage(self, data: st.DataObject) -> None:
+        """Pages a store returned land on the host under the tree's prefix (L3 -> L2), as
+        the scheduler does: the prefix is locked while host pages are found for them."""
+        tokens = data.draw(st.sampled_from(self.inserted))
+        peek = self.cache.match(tokens)
+        start, stop = peek.prefix_len // PS, (len(tokens) - 1) // PS
+        if stop <= start:
+            return
+        handle = self.cache.lock(peek)
+        got = self.cache.alloc({name: stop - start for name in self.layout.pool_names}, HOST)
+        if got is not None:
+            for row, name in enumerate(self.layout.pool_names):
+                for i, page in enumerate(got[name].tolist()):
+                    self.host_content[row][page] = page_key(tokens, start + i, row, PS)
+            pages = np.stack([got[name] for name in self.layout.pool_names])
+            self.cache.insert(tokens[:stop * PS], pages, start, tier=HOST)
+        self.cache.unlock(handle)
+
     def _admit(self, tokens: list[int]) -> None:
         cache, ps = self.cache, PS
         m = cache.match(tokens)

@@ -21,6 +21,8 @@ class CacheConfig:
         device evicts it).
     storage: L3, "file:///dir" or "redis://host:port/db": computed pages are written
         through, and a request that misses the device loads what it can from there.
+    storage_cap_bytes: for file://, the directory's size cap (least recently used
+        objects go first); None: no cap. Redis caps itself (maxmemory).
     hisparse_buffer: HiSparse (not built yet: None).
     """
 
@@ -30,6 +32,7 @@ class CacheConfig:
     write_policy: str = "write_through"
     write_hit_threshold: int = 2
     storage: str | None = None
+    storage_cap_bytes: int | None = None
     hisparse_buffer: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +55,11 @@ class CacheConfig:
                 ("file://", "redis://", "rediss://")):
             raise ValueError(f"storage must be None, 'file:///DIR' or 'redis://HOST:PORT/DB', "
                              f"got {self.storage!r}")
+        if self.storage_cap_bytes is not None and (
+                not isinstance(self.storage_cap_bytes, int) or self.storage_cap_bytes < 1
+                or self.storage is None or not self.storage.startswith("file://")):
+            raise ValueError(f"storage_cap_bytes must be an int >= 1 with file:// storage, "
+                             f"got {self.storage_cap_bytes!r} for {self.storage!r}")
         if self.hisparse_buffer is not None:
             raise ValueError("hisparse_buffer: HiSparse is not available yet; use None")
 

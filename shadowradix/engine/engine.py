@@ -77,7 +77,8 @@ class Engine:
         self.runner = DeepseekV4Runner(hf_model.eval())
         self.storage = None
         if config.storage is not None:
-            self.storage = StorageTier(open_storage(config.storage), self._prefix)
+            self.storage = StorageTier(open_storage(config.storage, config.storage_cap_bytes),
+                                       self._prefix)
         self.host = None
         if host_pages is not None:
             self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),

@@ -6,14 +6,14 @@ from storage at page boundary Q only under the same match rule as the tree, and
 only if every pool's object for every page it loads arrived intact; anything else
 (missing, corrupt, unreachable) is a miss and the pages are recomputed.
 
-Reads run on a prefetch thread (`prefetch` returns a Future), so a slow store
-delays only the request that waits for it, never the running batch. The backend
-is called under one lock: the prefetch thread and write-through share it.
+Reads and writes run on one storage thread: `prefetch` returns a Future, and
+`save` copies the pages' bytes out before it returns (so the pages may be reused at
+once) and leaves the store call to the thread. A slow store delays only the
+request that waits for its read, never the running batch.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,8 +53,8 @@ class StorageTier:
         self.page_bytes = cache.layout.page_bytes()
         self.bytes_read = 0
         self.bytes_written = 0
-        self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-prefetch")
+        # The backend is only ever called from this one thread, in submission order.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage")
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
         return [object_key(self.namespace, name, hashes[i])
@@ -66,7 +66,7 @@ class StorageTier:
         above hold: >= 0 where present) up to page `limit`; see `fetch`."""
         return self._thread.submit(self.fetch, tokens.copy(), table.copy(), limit)
 
-    def fetch(self, tokens: np.ndarray, table: np.ndarray, limit: int) -> Fetched:
+    def fetch(self, tokens: np.ndarray, table: np.ndarray, limit: int) -> Fetched:  # thread
         """The deepest boundary Q <= limit reachable with `table` plus stored pages
         [done, Q), and those pages' objects; empty (stop == start) on any miss."""
         done = table.shape[1]
@@ -74,8 +74,7 @@ class StorageTier:
         if limit <= done:
             return empty
         hashes = page_hashes(tokens[:limit * self.page_size], self.page_size)
-        with self._lock:
-            found = self.backend.batch_exists(self._keys(hashes, done, limit))
+        found = self.backend.batch_exists(self._keys(hashes, done, limit))
         whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.names)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
         if stop == done:
@@ -85,8 +84,7 @@ class StorageTier:
         q = self.rule.deepest(ext)
         if q <= done:
             return empty
-        with self._lock:
-            blobs = self.backend.batch_get(self._keys(hashes, done, q))
+        blobs = self.backend.batch_get(self._keys(hashes, done, q))
         for i, blob in enumerate(blobs):
             if blob is None or len(blob) != self.page_bytes[self.names[i % len(self.names)]]:
                 return empty  # missing or the wrong size: a miss (checksums failed inside)
@@ -110,7 +108,8 @@ class StorageTier:
     # ------------------------------------------------------------- writes
     def save(self, tokens: np.ndarray, lo: int, hi: int, pages: Mapping[str, np.ndarray],
              tensor: Callable[[str], Any]) -> None:
-        """Write-through: store pages [lo, hi) of every pool (`pages[pool][0:hi-lo]`)."""
+        """Write-through: store pages [lo, hi) of every pool (`pages[pool][0:hi-lo]`).
+        The bytes are copied now; the store call runs on the storage thread."""
         if hi <= lo:
             return
         import torch
@@ -125,9 +124,15 @@ class StorageTier:
             page_data = tensor(name)[:, page].contiguous().reshape(-1)
             payload = page_data.view(torch.uint8).cpu().numpy().tobytes()  # any dtype, bf16 too
             items.append((key, payload))
-        with self._lock:
-            ok = self.backend.batch_set(items)
+        self._thread.submit(self._store, items)
+
+    def _store(self, items: list[tuple[str, bytes]]) -> None:
+        ok = self.backend.batch_set(items)
         self.bytes_written += sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
+
+    def drain(self) -> None:
+        """Wait until every write and read submitted so far is done."""
+        self._thread.submit(lambda: None).result()
 
     @property
     def errors(self) -> int:
@@ -136,5 +141,4 @@ class StorageTier:
     def close(self) -> None:
         """Wait for the prefetches in flight, then close the backend."""
         self._thread.shutdown(wait=True)
-        with self._lock:
-            self.backend.close()
+        self.backend.close()
