@@ -28,6 +28,7 @@ from redis_server import RedisServer
 
 from shadowradix.tiers.storage import FileBackend, RedisBackend, object_key
 
+HOST_TOKENS = 2048  # twice the device tier, and too small for the whole workload
 PAGE_BYTES = 64 * 1024  # one pool-page object (a small page of a small model)
 N = 400
 
@@ -142,8 +143,8 @@ def multi_turn(workdir: Path) -> dict:
     trace = conversations(load_trace(bundled_trace("conversation")), 4, 32)
     prompts = [scaled_prompt(r, 16, model.config.vocab_size) for r in trace]
     out = {}
-    setups = (("L1", 0, None), ("L1+L2", 4096, None),
-              ("L1+L2+L3", 4096, f"file://{workdir / 'l3'}"))
+    setups = (("L1", 0, None), ("L1+L2", HOST_TOKENS, None),
+              ("L1+L2+L3", HOST_TOKENS, f"file://{workdir / 'l3'}"))
     for setup, host_tokens, storage in setups:
         eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=1024,
                                                 host_tokens=host_tokens, storage=storage))
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({r['set_MBps']:.0f} / {r['get_MBps']:.0f} MB/s)")
     print(f"L3 file: set {f['set_ratio']:.2f}x, get {f['get_ratio']:.2f}x raw file I/O")
     for setup, row in mt.items():
-        print(f"multi-turn, 1K-token device tier, {setup:8}: prefill {row['prefill_tokens']:,} "
+        print(f"multi-turn, 1K-token device, 2K-token host, {setup:8}: prefill {row['prefill_tokens']:,} "
               f"tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
     write_json(args.json, result)
     return 0
