@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({r['set_MBps']:.0f} / {r['get_MBps']:.0f} MB/s)")
     print(f"L3 file: set {f['set_ratio']:.2f}x, get {f['get_ratio']:.2f}x raw file I/O")
     for setup, row in mt.items():
-        print(f"multi-turn, 1K-token device, 2K-token host, {setup:8}: prefill {row['prefill_tokens']:,} "
-              f"tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
+        print(f"multi-turn, 1K-token device, 2K-token host, {setup:8}: prefill "
+              f"{row['prefill_tokens']:,} tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
     write_json(args.json, result)
     return 0
 

@@ -56,6 +56,11 @@ def test_a_fresh_engine_hits_from_storage_exactly(model, tmp_path, redis_url, ba
         third = eng.generate([turn2], P, return_logits=True)[0]
         assert third.cached_by_tier["host"] == 80
         check(model, turn2, third)
+    eng.cache.flush(tiers=("device", "host", "storage") if host_tokens else
+                    ("device", "storage"))
+    cold = eng.generate([turn2], P, return_logits=True)[0]
+    assert cold.cached_tokens == 0  # every tier was emptied
+    check(model, turn2, cold)
     eng.close()
 
 
@@ -103,8 +108,9 @@ def test_a_full_disk_cap_keeps_requests_exact(model, tmp_path):
     second.close()
 
 
-def test_server_killed_mid_run_requests_complete_exactly(model, redis_url):
-    eng, turn2 = two_engines(model, redis_url.url, rand_tokens(75, 43))
+@pytest.mark.parametrize("host_tokens", [0, 4096])
+def test_server_killed_mid_run_requests_complete_exactly(model, redis_url, host_tokens):
+    eng, turn2 = two_engines(model, redis_url.url, rand_tokens(75, 43), host_tokens)
     redis_url.stop()
     r = eng.generate([turn2], P, return_logits=True)[0]
     check(model, turn2, r)
@@ -115,3 +121,22 @@ def test_server_killed_mid_run_requests_complete_exactly(model, redis_url):
 def test_bad_storage_url_is_refused():
     with pytest.raises(ValueError, match="storage must be"):
         CacheConfig(storage="s3://bucket")
+
+
+def test_server_killed_while_requests_run(model, redis_url):
+    """The kill lands somewhere among reads, write-throughs and prefetches of a batch in
+    flight: whatever it hits, every request completes and is exact."""
+    import threading
+
+    cfg = CacheConfig(page_size=16, device_tokens=2048, host_tokens=4096, storage=redis_url.url)
+    eng = Engine.from_hf(model, cfg)
+    prompts = [rand_tokens(60, 80 + i) for i in range(6)]
+    eng.generate(prompts[:3], P)  # stored, so later requests read too
+    killer = threading.Timer(0.3, redis_url.stop)
+    killer.start()
+    batch = prompts + [p + rand_tokens(20, 90 + i) for i, p in enumerate(prompts[:3])]
+    results = eng.generate(batch, P, return_logits=True)
+    killer.join()
+    for p, r in zip(batch, results, strict=True):
+        check(model, p, r)
+    eng.close()

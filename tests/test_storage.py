@@ -171,3 +171,17 @@ def test_redis_killed_mid_run_means_misses_not_exceptions(redis_server):
     assert rs.batch_exists([key(1)]) == [False]
     assert rs.errors["unreachable"] == 3
     rs.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_clear_deletes_one_namespace_only(tmp_path, request, backend):
+    store = open_storage(f"file://{tmp_path}" if backend == "file"
+                         else request.getfixturevalue("redis_server").url)
+    mine = [(object_key("ns-a", "c4", bytes([i]) * 16), b"a" * 10) for i in range(5)]
+    theirs = [(object_key("ns-b", "c4", bytes([i]) * 16), b"b" * 10) for i in range(3)]
+    store.batch_set(mine + theirs)
+    assert store.clear("ns-a") == 5
+    assert store.batch_exists([k for k, _ in mine]) == [False] * 5
+    assert store.batch_get([k for k, _ in theirs]) == [b"b" * 10] * 3
+    assert store.clear("ns-a") == 0 and not store.errors
+    store.close()

@@ -28,25 +28,31 @@ TIERS = ("device", "host", "storage")
 class CacheControl:
     """`engine.cache`: operations on the cache tiers."""
 
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(self, cache: PrefixCache, storage: StorageTier | None) -> None:
         self._cache = cache
+        self._storage = storage
 
     def flush(self, tiers: Sequence[str] = ("device",)) -> None:
-        """Drop every unlocked page from the named tiers ("device", "host").
+        """Drop every unlocked page from the named tiers ("device", "host", "storage").
 
-        Storage is shared with other engines and outlives this one: clear it with
-        the backend's own tools. Raises ValueError on any other name, or on "host"
-        when the engine has no host tier.
+        "storage" deletes every object of this model's layout from the store, including
+        those other engines sharing it wrote. Raises ValueError on an unknown name, or
+        on a tier this engine does not have.
         """
-        bad = [t for t in tiers if t not in TIERS or t == "storage"]
+        bad = [t for t in tiers if t not in TIERS]
         if bad:
-            raise ValueError(f"cannot flush tiers {bad}; use names from ('device', 'host')")
+            raise ValueError(f"cannot flush tiers {bad}; use names from {TIERS}")
         if "host" in tiers and not self._cache.has_host:
             raise ValueError("this engine has no host tier (CacheConfig.host_tokens = 0)")
+        if "storage" in tiers and self._storage is None:
+            raise ValueError("this engine has no storage tier (CacheConfig.storage = None)")
         if "device" in tiers:
             self._cache.flush(DEVICE)
         if "host" in tiers:
             self._cache.flush(HOST)
+        if "storage" in tiers:
+            assert self._storage is not None
+            self._storage.clear()
 
 
 class Engine:
@@ -85,7 +91,7 @@ class Engine:
                                  config.write_policy, config.write_hit_threshold)
         self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage,
                                    self.host)
-        self.cache = CacheControl(self._prefix)
+        self.cache = CacheControl(self._prefix, self.storage)
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
             "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,

@@ -134,6 +134,10 @@ class StorageTier:
         """Wait until every write and read submitted so far is done."""
         self._thread.submit(lambda: None).result()
 
+    def clear(self) -> int:
+        """Delete this layout's objects from the store (after the writes in flight)."""
+        return self._thread.submit(self.backend.clear, self.namespace).result()
+
     @property
     def errors(self) -> int:
         return sum(self.backend.errors.values())

@@ -29,5 +29,10 @@ class StorageBackend(ABC):
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """Store payloads; True where the object is now durable, False where it failed."""
 
+    @abstractmethod
+    def clear(self, namespace: str) -> int:
+        """Delete every object under `namespace` (one model layout's); returns how many.
+        Other namespaces, and other engines' objects in them, are untouched."""
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections and files. Idempotent; the default holds nothing."""

@@ -93,6 +93,20 @@ class FileBackend(StorageBackend):
             self._shrink(self.cap_bytes)
         return done
 
+    def clear(self, namespace: str) -> int:
+        base = self.root / namespace
+        gone = [path for path in self._lru if base in path.parents]
+        for path in gone:
+            self._drop(path)
+        for path in (base.rglob("*") if base.is_dir() else []):
+            if path.is_file():  # objects another process wrote since this one opened
+                try:
+                    path.unlink()
+                    gone.append(path)
+                except OSError:
+                    self.errors["cleanup"] += 1
+        return len(gone)
+
     def _shrink(self, cap: int) -> None:
         """Delete least recently used objects until the directory fits in `cap`."""
         while self._bytes > cap and self._lru:

@@ -68,6 +68,22 @@ class RedisBackend(StorageBackend):
             self.errors["unreachable"] += 1
             return [False] * len(items)
 
+    def clear(self, namespace: str) -> int:
+        """SCAN for the namespace's keys and delete them in pipelined batches."""
+        gone = 0
+        try:
+            batch: list[Any] = []
+            for key in self._client.scan_iter(match=f"{namespace}/*", count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    gone += int(self._client.delete(*batch))
+                    batch = []
+            if batch:
+                gone += int(self._client.delete(*batch))
+        except self._errors_types:
+            self.errors["unreachable"] += 1
+        return gone
+
     def close(self) -> None:
         with contextlib.suppress(*self._errors_types):
             self._client.close()
