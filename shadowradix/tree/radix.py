@@ -106,8 +106,9 @@ class ShadowRadix:
         else:
             table = np.empty((self.n_pools, 0), PAGE)
         resume = self.rule.deepest(table)
-        self._touch(n for n, _ in path)
+        self._clock += 1
         for n, _ in path:
+            n.last_access = self._clock
             n.hits += 1
         on_device, host, load = resume, None, None
         if self.tiers > 1:
@@ -460,8 +461,8 @@ class ShadowRadix:
 
     def _remove_leaf(self, node: Node, freed: list[list[list[np.ndarray]]]) -> None:
         assert not node.children and node.full_lock == 0 and node.parent is not None
-        for tier in range(self.tiers):
-            slot = node.slot(tier)
+        for tier, slot in enumerate((node.pages,) if node.host is None else
+                                    (node.pages, node.host)):
             for row in range(self.n_pools):
                 pages = slot[row][slot[row] >= 0]
                 if pages.size:
@@ -556,9 +557,16 @@ class ShadowRadix:
         Cheap on purpose: a heap checks on pop whether the node still holds
         pages of its kind and drops it if not.
         """
+        if self.tiers == 1:
+            if not node.children:
+                self._leaves[0].add(node)
+            loose, kept = self._loose[0], self._kept[0]
+            for row in self.short_lived_rows:
+                loose[row].add(node)
+                kept[row].add(node)
+            return
         for tier in range(self.tiers):
-            if self.tiers > 1 or not node.children:
-                self._leaves[tier].add(node)
+            self._leaves[tier].add(node)
             for row in self.short_lived_rows:
                 self._loose[tier][row].add(node)
                 self._kept[tier][row].add(node)
