@@ -43,8 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help=f"{' | '.join(LAYOUT_NAMES)} | CONFIG.json")
     sim.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 | float32 | fp8")
     sim.add_argument("--device-gb", type=float, default=40.0)
-    sim.add_argument("--host-gb", type=float, default=0.0)
-    sim.add_argument("--storage-gb", type=float, default=0.0)
+    sim.add_argument("--host-gb", type=float, default=0.0,
+                     help="host tier (HiCache L2) size; 0: the device alone")
+    sim.add_argument("--write-policy", default="write_through",
+                     help="write_through | write_through_selective | write_back")
+    sim.add_argument("--storage-gb", type=float, default=0.0,
+                     help="not simulated yet (a note is printed)")
     sim.add_argument("--page-size", type=int, default=256)
     sim.add_argument("--checkpoint-every", type=int, default=8, metavar="K",
                      help="pages between checkpoints for the periodic policy")
@@ -83,14 +87,14 @@ def _simulate(args: argparse.Namespace) -> int:
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=120)  # logs and CI: keep the table on one line per row
+        console = Console(width=150)  # logs and CI: keep the table on one line per row
     layout = named_layout(args.model, args.page_size, args.kv_dtype)
     requests = load_trace(args.trace, args.limit)
     if not requests:
         raise TraceError(f"{args.trace}: no requests")
-    if args.host_gb or args.storage_gb:
-        console.print("[yellow]note:[/] host and storage tiers are not simulated yet "
-                      "(HiCache issue); results are for the device tier alone.")
+    if args.storage_gb:
+        console.print("[yellow]note:[/] the storage tier is not simulated yet; results are "
+                      "for the device and host tiers.")
     choices = [policy_choice(n.strip(), args.checkpoint_every, args.window_ratio)
                for n in args.policy.split(",") if n.strip()]
     sizes: list[float | None] = [None] if args.unbounded else [args.device_gb]
@@ -113,7 +117,8 @@ def _simulate(args: argparse.Namespace) -> int:
                         progress.update(task, completed=i + 1)
 
                 runs.append(simulate(requests, layout, choice, size, chunk_pages=args.chunk_pages,
-                                     on_request=tick, bound=bound))
+                                     on_request=tick, bound=bound, host_gb=args.host_gb,
+                                     write_policy=args.write_policy))
                 progress.remove_task(task)
     _print_runs(console, runs, layout.name, len(requests), bound)
     if args.json:
@@ -131,17 +136,23 @@ def _print_runs(console: Any, runs: list[dict[str, Any]], layout: str, n: int,
     from rich.table import Table
 
     table = Table(title=f"{layout}: {n:,} requests, infinite-cache bound {bound:.1%}")
-    for col in ("policy", "GB", "cache tok", "window tok", "hit rate", "of bound",
-                "prefilled tok", "s"):
+    host = any(r["host_gb"] for r in runs)
+    cols = ["policy", "GB", "cache tok", "window tok", "hit rate", "of bound", "prefilled tok"]
+    cols += ["from host", "host->device GB", "device->host GB"] if host else []
+    for col in [*cols, "s"]:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in runs:
         pages = r["pool_pages"]
         window = pages.get("swa", max(pages.values()))
-        table.add_row(
-            r["policy"], "inf" if r["device_gb"] is None else f"{r['device_gb']:g}",
-            _short(max(pages.values()) * r["page_size"]), _short(window * r["page_size"]),
-            f"{r['hit_rate']:.2%}", f"{r['share_of_bound']:.0%}", _short(r["computed_tokens"]),
-            f"{r['seconds']:.1f}")
+        row = [r["policy"], "inf" if r["device_gb"] is None else f"{r['device_gb']:g}",
+               _short(max(pages.values()) * r["page_size"]), _short(window * r["page_size"]),
+               f"{r['hit_rate']:.2%}", f"{r['share_of_bound']:.0%}",
+               _short(r["computed_tokens"])]
+        if host:
+            moved = r["bytes_moved"]
+            row += [f"{r['cached_by_tier']['host'] / max(r['prompt_tokens'], 1):.2%}",
+                    f"{moved['host->device'] / 2**30:.1f}", f"{moved['device->host'] / 2**30:.1f}"]
+        table.add_row(*row, f"{r['seconds']:.1f}")
     console.print(table)
 
 

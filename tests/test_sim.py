@@ -124,3 +124,30 @@ def test_cli_simulate_sweep_writes_json_and_plot(tmp_path):
                 "bound_hit_rate", "seconds", "peak_pages", "bytes_moved"):
         assert key in runs[0]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("policy,write_policy", [("shadowradix", "write_through"),
+                                                 ("no-shadows", "write_back"),
+                                                 ("periodic", "write_through")])
+def test_an_unbounded_host_loses_nothing_the_device_drops(policy, write_policy, conversation):
+    """A small device over an unbounded host tier reaches the infinite-cache bound exactly:
+    every page the device evicts was backed up (write-through) or spilled (write-back)
+    and comes back."""
+    lay = deepseek_v4_flash()
+    alone = simulate(conversation, lay, policy_choice(policy), 8.0)
+    tiered = simulate(conversation, lay, policy_choice(policy), 8.0, host_gb=1e4,
+                      write_policy=write_policy)
+    assert alone["hit_rate"] < 0.5 * alone["bound_hit_rate"]  # the device alone is too small
+    assert tiered["refused"] == 0
+    assert tiered["hit_rate"] == tiered["bound_hit_rate"]
+    assert tiered["cached_by_tier"]["host"] > tiered["cached_by_tier"]["device"]
+    assert tiered["bytes_moved"]["host->device"] > 0 and tiered["bytes_moved"]["device->host"] > 0
+
+
+def test_a_bounded_host_helps_and_its_books_balance(conversation):
+    lay = deepseek_v4_pro()
+    alone = simulate(conversation, lay, policy_choice("shadowradix"), 20.0)
+    tiered = simulate(conversation, lay, policy_choice("shadowradix"), 20.0, host_gb=60.0)
+    assert alone["hit_rate"] < tiered["hit_rate"] <= tiered["bound_hit_rate"]
+    assert sum(tiered["cached_by_tier"].values()) == tiered["cached_tokens"]
+    assert tiered["bytes_moved"]["host->device"] > 0 and tiered["host_gb"] == 60.0

@@ -1,5 +1,9 @@
 """Replay a trace through a PrefixCache: match, lock, allocate, insert, unlock.
 
+With a HostTier (metadata-only, its copies counted by a CountingMover) the
+replay also loads host pages back before a request runs and backs pages up
+under the tier's write policy, as the engine does.
+
 The same loop serves the tree benchmark, the demo and the simulator, so the
 numbers they print come from one piece of code.
 """
@@ -7,14 +11,41 @@ numbers they print come from one piece of code.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
+from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.results import LockHandle
+from shadowradix.tree.radix import HOST
+from shadowradix.tree.results import InsertResult, LockHandle
+
+
+class CountingMover:
+    """The simulator's mover: copies nothing, counts the bytes each direction would move."""
+
+    def __init__(self, page_bytes: dict[str, int]) -> None:
+        self.page_bytes = page_bytes
+        self.bytes = Counter[str]()  # "host->device" / "device->host" -> bytes
+        self.last = 0
+
+    def submit(self, copies: Sequence[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
+        for pool, tier, src, _ in copies:
+            way = "host->device" if tier == HOST else "device->host"
+            self.bytes[way] += len(src) * self.page_bytes[pool]
+        self.last += 1
+        return self.last
+
+    def run(self, fn: Callable[[], None]) -> int:
+        fn()
+        return self.last
+
+    def done(self, ticket: int) -> bool:
+        return True
 
 
 @dataclass
@@ -23,6 +54,7 @@ class ReplayStats:
     refused: int = 0  # did not fit in the pools even after evicting everything unlocked
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_tokens: int = 0  # of cached_tokens, those loaded back from the host tier
     logical_tokens: int = 0  # deepest logical hits (an upper bound for the tiers)
     inserted_pages: int = 0
     prompt_pages: int = 0
@@ -44,7 +76,8 @@ class ReplayStats:
 
 def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output: bool = False,
            chunk_pages: int | None = None, check_every: int = 0,
-           on_request: Callable[[int], None] | None = None) -> ReplayStats:
+           on_request: Callable[[int], None] | None = None,
+           host: HostTier | None = None) -> ReplayStats:
     """Drive `cache` with `requests` in order; returns counters and timings.
 
     with_output: insert prompt + `output_length` synthetic output tokens (a
@@ -54,6 +87,7 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
         window become evictable cache (or are freed at once, by an eager
         policy) while the request runs. None: one step per request.
     check_every: run `cache.check_integrity` every N requests (0: never).
+    host: the host tier over `cache` (its pools), or None for the device alone.
     """
     if chunk_pages is not None and chunk_pages < 1:
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
@@ -77,8 +111,12 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
         m = cache.match(prompt)
         handle = cache.lock(m)
         st.match_s += time.perf_counter() - t0
-        if _RunningRequest(cache, seq, m.prefix_len, handle, st).run(chunk_pages):
+        if host is not None and not _load_back(cache, host, m):
+            cache.unlock(handle)
+            st.refused += 1
+        elif _RunningRequest(cache, seq, m.prefix_len, handle, st, host).run(chunk_pages):
             st.cached_tokens += m.prefix_len
+            st.host_tokens += m.prefix_len - m.device_prefix_len
             st.logical_tokens += m.logical_len
         else:
             st.refused += 1
@@ -88,6 +126,18 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
             on_request(i)
     st.wall_s = time.perf_counter() - t_start
     return st
+
+
+def _load_back(cache: PrefixCache, host: HostTier, m: Any) -> bool:
+    """Device pages for the host-only part of the match, filled into the tree."""
+    need = host.load_need(m)
+    if any(need.values()):
+        got = cache.alloc(need)
+        if got is None:
+            return False
+        host.load(m, got)
+    host.after_match(m)
+    return True
 
 
 class _RunningRequest:
@@ -101,8 +151,8 @@ class _RunningRequest:
     """
 
     def __init__(self, cache: PrefixCache, seq: np.ndarray, prefix_len: int,
-                 handle: LockHandle, st: ReplayStats) -> None:
-        self.cache, self.seq, self.st, self.handle = cache, seq, st, handle
+                 handle: LockHandle, st: ReplayStats, host: HostTier | None = None) -> None:
+        self.cache, self.seq, self.st, self.handle, self.host = cache, seq, st, handle, host
         lay = cache.layout
         ps = lay.page_size
         self.done = prefix_len // ps
@@ -149,8 +199,8 @@ class _RunningRequest:
         cache, d = self.cache, self.done
         start = max(handed - self.hold, d)
         if final:  # everything goes to the tree but the partial last page
-            cache.insert(self.seq[:upto * cache.layout.page_size],
-                         self.own[:, start - d:upto - d], start)
+            self._backup(cache.insert(self.seq[:upto * cache.layout.page_size],
+                                      self.own[:, start - d:upto - d], start))
             if self.total > self.full:
                 last = self.own[:, -1]
                 cache.free({n: last[row:row + 1] for row, n in enumerate(self.names)
@@ -165,12 +215,17 @@ class _RunningRequest:
             pages[self.short, max(upto - self.hold, start) - start:] = -1
         result = cache.insert(self.seq[:upto * cache.layout.page_size], pages, start,
                               finished=False)
+        self._backup(result)
         self.own[:, start - d:upto - d][pages >= 0] = -1
         handle = cache.lock(result)  # lock the new prefix before letting the old go
         cache.unlock(self.handle)
         self.handle = handle
         self.st.insert_s += time.perf_counter() - t0
         return upto
+
+    def _backup(self, result: InsertResult) -> None:
+        if self.host is not None:
+            self.host.after_insert(result.node)
 
     def _private(self) -> dict[str, np.ndarray]:
         return {n: self.own[row][self.own[row] >= 0] for row, n in enumerate(self.names)}

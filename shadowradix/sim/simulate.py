@@ -2,6 +2,8 @@
 
 Drives the real tree and pools in metadata-only mode (no tensors), so a
 DeepSeek-V4-Pro sized cache with terabytes of pools fits in a laptop's memory.
+With `host_gb` the host tier (HiCache L2) runs too: the same HostTier as the
+engine, its copies counted instead of made.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shadowradix.layout.spec import KVLayout
-from shadowradix.sim.replay import replay
+from shadowradix.sim.replay import CountingMover, replay
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
 from shadowradix.sim.trace import BLOCK_TOKENS, TraceRequest
+from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.policy import CheckpointPolicy
+from shadowradix.tree.radix import DEVICE, HOST
 
 POLICY_NAMES = ("shadowradix", "periodic", "eager-swa", "no-shadows")
 TIERS = ("device", "host", "storage")
@@ -66,20 +70,30 @@ def bound_hit_rate(requests: Sequence[TraceRequest], page_size: int) -> float:
 def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyChoice,
              device_gb: float | None, *, chunk_pages: int | None = 32,
              on_request: Callable[[int], None] | None = None,
-             bound: float | None = None) -> dict[str, Any]:
-    """One replay; `device_gb=None` means unbounded memory. Returns the JSON record."""
+             bound: float | None = None, host_gb: float = 0.0,
+             write_policy: str = "write_through") -> dict[str, Any]:
+    """One replay; `device_gb=None` means unbounded memory; `host_gb` > 0 adds a host
+    tier of that size (pools split like the device's). Returns the JSON record."""
     if device_gb is None:
         tokens = sum(r.input_length + r.output_length for r in requests) + layout.page_size
         pages = {p.name: -(-tokens // layout.page_size) + 1 for p in layout.pools}
     else:
         pages = pages_for_budget(layout, device_gb * GB, choice.window_ratio)
-    cache = PrefixCache(layout, pages, choice.policy)
+    if host_gb < 0:
+        raise ValueError(f"host_gb must be >= 0, got {host_gb}")
+    host_pages = pages_for_budget(layout, host_gb * GB, choice.window_ratio) if host_gb else None
+    cache = PrefixCache(layout, pages, choice.policy, host_pages=host_pages)
+    mover = CountingMover(layout.page_bytes())
+    host = HostTier(cache, mover, write_policy) if host_pages else None  # type: ignore[arg-type]
     t0 = time.perf_counter()
     st = replay(cache, requests, with_output=True, chunk_pages=chunk_pages,
-                on_request=on_request)
+                on_request=on_request, host=host)
     seconds = time.perf_counter() - t0
-    cache.flush()
-    leaked = {n: p.used_pages for n, p in cache.pools.items() if p.used_pages}
+    cache.flush(DEVICE)
+    if host_pages:
+        cache.flush(HOST)
+    leaked = {n: p.used_pages for tier in (DEVICE, HOST)
+              for n, p in cache.tier_pools(tier).items() if p.used_pages}
     if leaked:
         raise AssertionError(f"pages leaked after the replay: {leaked}")
     if bound is None:
@@ -87,16 +101,20 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     page_bytes = layout.page_bytes()
     return {
         "policy": choice.name, "layout": layout.name, "page_size": layout.page_size,
-        "device_gb": device_gb, "window_ratio": choice.window_ratio,
+        "device_gb": device_gb, "host_gb": host_gb,
+        "write_policy": write_policy if host_pages else None,
+        "window_ratio": choice.window_ratio,
         "pool_pages": pages, "pool_bytes": budget_bytes(pages, layout),
         "requests": st.requests, "refused": st.refused,
         "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
-        "cached_by_tier": {"device": st.cached_tokens, "host": 0, "storage": 0},
+        "cached_by_tier": {"device": st.cached_tokens - st.host_tokens,
+                           "host": st.host_tokens, "storage": 0},
         "computed_tokens": st.computed_tokens,
         "hit_rate": st.hit_rate, "bound_hit_rate": bound,
         "share_of_bound": st.hit_rate / bound if bound else 0.0,
         "seconds": seconds,
         "peak_pages": st.peak_pages,
         "peak_bytes": {n: st.peak_pages[n] * page_bytes[n] for n in st.peak_pages},
-        "bytes_moved": {f"{a}->{b}": 0 for a in TIERS for b in TIERS if a != b},
+        "bytes_moved": {f"{a}->{b}": mover.bytes[f"{a}->{b}"]
+                        for a in TIERS for b in TIERS if a != b},
     }
