@@ -153,7 +153,8 @@ def multi_turn(workdir: Path) -> dict:
             eng.generate([p], SamplingParams(max_new_tokens=4, ignore_eos=True))
         st = eng.stats()
         out[setup] = {"wall_s": time.perf_counter() - t0, "prefill_tokens": st["prefill_tokens"],
-                      "hits": st["hits"]}
+                      "hits": st["hits"], "host": st["host"], "copy_stalls": st["copy_stalls"],
+                      "copy_stall_s": st["copy_stall_seconds"], "steps": st["steps"]}
         eng.close()
     return out
 
@@ -181,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     for setup, row in mt.items():
         print(f"multi-turn, 1K-token device, 2K-token host, {setup:8}: prefill "
               f"{row['prefill_tokens']:,} tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
+        if row["host"]:
+            print(f"    host: {dict(row['host'])}; chunks that waited for a copy: "
+                  f"{row['copy_stalls']} in {row['steps']:,} steps "
+                  f"({row['copy_stall_s'] * 1e3:.1f} ms)")
     write_json(args.json, result)
     return 0
 

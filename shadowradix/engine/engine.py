@@ -95,7 +95,7 @@ class Engine:
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
             "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,
-            "host_tokens": 0, "storage_tokens": 0}
+            "host_tokens": 0, "storage_tokens": 0, "copy_stalls": 0, "copy_stall_seconds": 0.0}
         self._closed = False
 
     @classmethod
@@ -150,7 +150,7 @@ class Engine:
             assert c.request.kv is not None
             ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
             if self.host is not None:
-                self.host.mover.wait(c.request.ready)  # its pages are back from the host
+                self._wait_for_copies(c.request.ready)
             if c.start == c.request.cached and c.start:  # first chunk after a cache hit
                 self.runner.resume(self.store, c.request.kv, c.start // self.config.page_size)
             segments.append((ids, c.start, c.request.kv))
@@ -174,6 +174,19 @@ class Engine:
                 req.done = True
                 sched.finish(req)
         self._counters["step_seconds"] += time.perf_counter() - t_step
+
+    def _wait_for_copies(self, ticket: int) -> None:
+        """Its pages are back from the host before the forward reads them. A wait that
+        finds the copy still running is a stall: counted, with the CPU seconds it cost
+        (on CUDA the wait is on the stream, so the seconds stay near zero)."""
+        assert self.host is not None
+        mover = self.host.mover
+        if mover.done(ticket):
+            return
+        t0 = time.perf_counter()
+        mover.wait(ticket)
+        self._counters["copy_stalls"] += 1
+        self._counters["copy_stall_seconds"] += time.perf_counter() - t0
 
     def _result(self, req: Request, return_logits: bool) -> Result:
         self._counters["requests"] += 1

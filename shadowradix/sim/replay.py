@@ -132,6 +132,7 @@ def _load_back(cache: PrefixCache, host: HostTier, m: Any) -> bool:
     """Device pages for the host-only part of the match, filled into the tree."""
     need = host.load_need(m)
     if any(need.values()):
+        host.make_room(need)
         got = cache.alloc(need)
         if got is None:
             return False
@@ -184,6 +185,8 @@ class _RunningRequest:
         t0 = time.perf_counter()
         need = {n: (min(end, self.full) - min(pos, self.full) if n in self.ckpt else end - pos)
                 for n in self.names}
+        if self.host is not None:
+            self.host.make_room(need)  # write-back: room on the host for what eviction spills
         got = self.cache.alloc(need)
         self.st.alloc_s += time.perf_counter() - t0
         if got is None:
