@@ -140,3 +140,25 @@ def test_server_killed_while_requests_run(model, redis_url):
     for p, r in zip(batch, results, strict=True):
         check(model, p, r)
     eng.close()
+
+
+def test_the_directory_becoming_unwritable_mid_run_keeps_requests_exact(model, tmp_path):
+    """The store's directory is swapped for a plain file between requests (root ignores
+    permission bits, so a chmod would prove nothing): reads miss, writes fail, and
+    every request still completes exactly."""
+    root = tmp_path / "l3"
+    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048,
+                                            storage=f"file://{root}"))
+    prompt = rand_tokens(75, 46)
+    r1 = eng.generate([prompt], P)[0]
+    eng.storage.drain()
+    root.rename(tmp_path / "gone")
+    root.write_text("not a directory any more")
+    eng.cache.flush(tiers=("device",))
+    turn2 = prompt + r1.output_ids + rand_tokens(9, 47)
+    r = eng.generate([turn2], P, return_logits=True)[0]
+    check(model, turn2, r)
+    assert r.cached_tokens == 0
+    eng.storage.drain()
+    assert eng.stats()["storage_errors"] >= 1
+    eng.close()
