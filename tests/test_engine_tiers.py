@@ -57,22 +57,35 @@ def test_host_flush_leaves_only_the_device(model):
     eng.close()
 
 
-@pytest.mark.parametrize("slow_copies", [False, True])
-def test_many_conversations_through_a_small_device_stay_exact(model, monkeypatch, slow_copies):
-    """Device pressure with host backup: load-back of one request overlaps another's
-    compute, and every output matches HF. Slow copies make any read that does not
-    wait for its copy read stale pages (so a missing wait fails here every time)."""
+@pytest.mark.parametrize("slow_copies,policy", [(False, "write_through"),
+                                                (True, "write_through"), (True, "write_back")])
+def test_many_conversations_through_a_small_device_stay_exact(model, monkeypatch, slow_copies,
+                                                              policy):
+    """Device pages under pressure with host backup: load-back of one request overlaps
+    another's compute, and every output matches HF. With slow copies every load-back
+    poisons its device pages (NaN) as it is submitted and fills them 50 ms later, so a
+    read that does not wait for its copy fails here every time."""
     if slow_copies:
         import shadowradix.tiers.mover as mover
+        from shadowradix.tiers.host_tier import HostTier
+        from shadowradix.tree.radix import HOST
 
-        fast = mover.copy_pages
+        fast_copy, submit = mover.copy_pages, HostTier._submit
 
-        def slow(*args, **kwargs):
+        def slow_copy(*args, **kwargs):
             time.sleep(0.05)
-            return fast(*args, **kwargs)
+            return fast_copy(*args, **kwargs)
 
-        monkeypatch.setattr(mover, "copy_pages", slow)
-    eng = host_engine(model, device_tokens=256, host_tokens=2048)
+        def poisoned_submit(self, copies):
+            for name, tier, _, dst in copies:
+                if tier == HOST:  # after any earlier copy still reading these pages
+                    self.mover.wait(int(self.busy[name][dst].max()))
+                    self.cache.tensor(name)[:, dst] = float("nan")
+            return submit(self, copies)
+
+        monkeypatch.setattr(mover, "copy_pages", slow_copy)
+        monkeypatch.setattr(HostTier, "_submit", poisoned_submit)
+    eng = host_engine(model, policy, device_tokens=256, host_tokens=2048)
     convs = [rand_tokens(40, 60 + i) for i in range(8)]  # turn 1 overflows the device
     outs = eng.generate(convs, P)
     turn2 = [c + o.output_ids + rand_tokens(7, 70 + i)

@@ -91,7 +91,6 @@ class Scheduler:
                 prefix = self.host.load(m, {n: got[n][:load.get(n, 0)] for n in got})
                 got = {n: got[n][load.get(n, 0):] for n in got}
                 self.host.after_match(m)
-                req.ready = self.host.mover.last
             resume = done
             if fetched is not None and fetched.pages and fetched.start == done:  # L3 -> L1
                 assert self.storage is not None
@@ -104,6 +103,10 @@ class Scheduler:
                 table[:done] = prefix[row]
                 table[done:] = got[name]
                 tables[name] = torch.from_numpy(table).to(self.device)
+            if self.host is not None:  # copies still reading or writing any of its pages
+                req.ready = self.host.ready_ticket(
+                    {n: np.concatenate((prefix[row], got[n]))
+                     for row, n in enumerate(self.cache.layout.pool_names)})
             req.match, req.handle, req.own = m, handle, got
             req.kv = RequestKV(tables)
             req.cached = req.computed = resume * ps

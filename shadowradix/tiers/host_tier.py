@@ -50,6 +50,9 @@ class HostTier:
         self.hit_threshold = hit_threshold
         self.names = cache.layout.pool_names
         self.counts: Counter[str] = Counter()  # pages loaded / backed up / spilled / skipped
+        # Per device page, the last ticket whose copy reads or writes it (0: none).
+        self.busy = {name: np.zeros(pool.num_pages, np.int64)
+                     for name, pool in cache.pools.items()}
         if write_policy == "write_back":
             self.tree.spill = self._spill
 
@@ -65,7 +68,7 @@ class HostTier:
         """Copy the host-only pages the resume needs into the given device pages (as
         many per pool as `load_need` said), fill the tree, and return the request's
         device page table for [0, prefix) (-1 where the resume reads nothing).
-        The copy is in flight: wait for `mover.last` before reading the pages."""
+        The copy is in flight: see `ready_ticket`."""
         table = match.page_table.copy()
         if match.load is None or not np.count_nonzero(match.load):
             return table
@@ -79,7 +82,7 @@ class HostTier:
                 fill[row, cells] = dst
                 copies.append((name, HOST, match.host_table[row, cells], dst))
         self.tree.fill(match.node, fill, DEVICE)
-        self.mover.submit(copies)
+        self._submit(copies)
         self.counts["loaded"] += int(np.count_nonzero(fill >= 0))
         table[fill >= 0] = fill[fill >= 0]
         return table
@@ -128,8 +131,25 @@ class HostTier:
                 copies.append((name, DEVICE, src[row, cells], ids[row, cells]))
         if path:
             self.tree.fill(node, ids, HOST)
-        self.mover.submit(copies)
+        self._submit(copies)
         return ids
+
+    def _submit(self, copies: list[Copy]) -> int:
+        ticket = self.mover.submit(copies)
+        for name, tier, src, dst in copies:
+            self.busy[name][src if tier == DEVICE else dst] = ticket
+        return ticket
+
+    def ready_ticket(self, pages: Mapping[str, np.ndarray]) -> int:
+        """The ticket a request must wait for before it touches these device pages
+        (per pool; -1 entries are ignored): the newest copy that reads or writes any."""
+        newest = 0
+        for name, ids in pages.items():
+            ids = np.asarray(ids)
+            ids = ids[ids >= 0]
+            if ids.size:
+                newest = max(newest, int(self.busy[name][ids].max()))
+        return newest
 
     def _path_table(self, node: Node) -> np.ndarray:
         """Device page ids of root..node as one [pools, node.end_page] table."""
