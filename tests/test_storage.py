@@ -71,7 +71,7 @@ def test_file_roundtrip_and_misses(tmp_path):
 def test_a_corrupted_or_truncated_object_is_a_miss_and_is_removed(tmp_path):
     fs = FileBackend(tmp_path)
     fs.batch_set([(key(1), b"a" * 100), (key(2), b"b" * 100)])
-    p1, p2 = fs._path(key(1)), fs._path(key(2))
+    p1, p2 = Path(fs._path(key(1))), Path(fs._path(key(2)))
     data = bytearray(p1.read_bytes())
     data[-1] ^= 0xFF
     p1.write_bytes(bytes(data))
@@ -105,7 +105,7 @@ def test_the_cap_evicts_least_recently_used_first(tmp_path):
 def test_leftover_temporary_files_are_swept_and_never_read(tmp_path):
     fs = FileBackend(tmp_path)
     fs.batch_set([(key(1), b"ok")])
-    stray = fs._path(key(1)).parent / "half-written.tmp"
+    stray = Path(fs._path(key(1))).parent / "half-written.tmp"
     stray.write_bytes(b"SRK1 partial")
     FileBackend(tmp_path)
     assert not stray.exists()
