@@ -388,10 +388,10 @@ class ShadowRadix:
             if self.tiers == 1:
                 self._remove_leaf(node, freed)
             elif not node.children and not self._resident(node, self.tiers - 1 - tier):
-                parent = node.parent
+                parent = node.parent  # the other tier does not hold it either: it goes
                 self._remove_leaf(node, freed)
                 self._drop_dead_leaf(parent, freed)  # type: ignore[arg-type]
-            else:
+            else:  # it stays for the other tier (or for children only the other tier holds)
                 self._drop_tier(node, tier, freed)
                 self._drop_dead_leaf(node, freed)
             if got >= want:
