@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--write-policy", default="write_through",
                      help="write_through | write_through_selective | write_back")
     sim.add_argument("--storage-gb", type=float, default=0.0,
-                     help="not simulated yet (a note is printed)")
+                     help="L3 store size (inf: unbounded); 0: none")
     sim.add_argument("--page-size", type=int, default=256)
     sim.add_argument("--checkpoint-every", type=int, default=8, metavar="K",
                      help="pages between checkpoints for the periodic policy")
@@ -92,9 +92,6 @@ def _simulate(args: argparse.Namespace) -> int:
     requests = load_trace(args.trace, args.limit)
     if not requests:
         raise TraceError(f"{args.trace}: no requests")
-    if args.storage_gb:
-        console.print("[yellow]note:[/] the storage tier is not simulated yet; results are "
-                      "for the device and host tiers.")
     choices = [policy_choice(n.strip(), args.checkpoint_every, args.window_ratio)
                for n in args.policy.split(",") if n.strip()]
     sizes: list[float | None] = [None] if args.unbounded else [args.device_gb]
@@ -118,7 +115,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
                 runs.append(simulate(requests, layout, choice, size, chunk_pages=args.chunk_pages,
                                      on_request=tick, bound=bound, host_gb=args.host_gb,
-                                     write_policy=args.write_policy))
+                                     write_policy=args.write_policy,
+                                     storage_gb=args.storage_gb))
                 progress.remove_task(task)
     _print_runs(console, runs, layout.name, len(requests), bound)
     if args.json:
@@ -137,8 +135,10 @@ def _print_runs(console: Any, runs: list[dict[str, Any]], layout: str, n: int,
 
     table = Table(title=f"{layout}: {n:,} requests, infinite-cache bound {bound:.1%}")
     host = any(r["host_gb"] for r in runs)
+    storage = any(r["storage_gb"] for r in runs)
     cols = ["policy", "GB", "cache tok", "window tok", "hit rate", "of bound", "prefilled tok"]
     cols += ["from host", "host->device GB", "device->host GB"] if host else []
+    cols += ["from storage", "storage read GB"] if storage else []
     for col in [*cols, "s"]:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in runs:
@@ -148,10 +148,13 @@ def _print_runs(console: Any, runs: list[dict[str, Any]], layout: str, n: int,
                _short(max(pages.values()) * r["page_size"]), _short(window * r["page_size"]),
                f"{r['hit_rate']:.2%}", f"{r['share_of_bound']:.0%}",
                _short(r["computed_tokens"])]
+        moved, prompt = r["bytes_moved"], max(r["prompt_tokens"], 1)
         if host:
-            moved = r["bytes_moved"]
-            row += [f"{r['cached_by_tier']['host'] / max(r['prompt_tokens'], 1):.2%}",
+            row += [f"{r['cached_by_tier']['host'] / prompt:.2%}",
                     f"{moved['host->device'] / 2**30:.1f}", f"{moved['device->host'] / 2**30:.1f}"]
+        if storage:
+            read = moved["storage->host"] + moved["storage->device"]
+            row += [f"{r['cached_by_tier']['storage'] / prompt:.2%}", f"{read / 2**30:.1f}"]
         table.add_row(*row, f"{r['seconds']:.1f}")
     console.print(table)
 

@@ -162,3 +162,18 @@ def test_the_directory_becoming_unwritable_mid_run_keeps_requests_exact(model, t
     eng.storage.drain()
     assert eng.stats()["storage_errors"] >= 1
     eng.close()
+
+
+def test_stored_pages_too_many_for_the_host_go_straight_to_the_device(model, tmp_path):
+    url = f"file://{tmp_path / 'l3'}"
+    prompt = rand_tokens(75, 48)
+    first = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048, storage=url))
+    r1 = first.generate([prompt], P)[0]
+    first.close()
+    tiny_host = CacheConfig(page_size=16, device_tokens=2048, host_tokens=32, storage=url)
+    eng = Engine.from_hf(model, tiny_host)  # 2 host pages: the 4 stored pages do not fit
+    turn2 = prompt + r1.output_ids + rand_tokens(9, 49)
+    r = eng.generate([turn2], P, return_logits=True)[0]
+    assert r.cached_by_tier == {"device": 0, "host": 0, "storage": 64}
+    check(model, turn2, r)
+    eng.close()

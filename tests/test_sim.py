@@ -151,3 +151,26 @@ def test_a_bounded_host_helps_and_its_books_balance(conversation):
     assert alone["hit_rate"] < tiered["hit_rate"] <= tiered["bound_hit_rate"]
     assert sum(tiered["cached_by_tier"].values()) == tiered["cached_tokens"]
     assert tiered["bytes_moved"]["host->device"] > 0 and tiered["host_gb"] == 60.0
+
+
+@pytest.mark.parametrize("host_gb", [0.0, 4.0])
+def test_an_unbounded_store_brings_back_everything(host_gb, conversation):
+    """Write-through to an unbounded L3 and a small device (with or without a host tier
+    smaller than the device): a request reads back from storage what the tiers above
+    lost, so the hit rate is the infinite-cache bound exactly."""
+    r = simulate(conversation, deepseek_v4_flash(), policy_choice("shadowradix"), 8.0,
+                 host_gb=host_gb, storage_gb=float("inf"))
+    assert r["refused"] == 0
+    assert r["hit_rate"] == r["bound_hit_rate"]
+    assert r["cached_by_tier"]["storage"] > r["cached_by_tier"]["device"]
+    assert sum(r["cached_by_tier"].values()) == r["cached_tokens"]
+    moved = r["bytes_moved"]
+    assert moved["device->storage"] > 0 and moved["storage->host"] + moved["storage->device"] > 0
+
+
+def test_a_capped_store_evicts_and_helps_less(conversation):
+    lay = deepseek_v4_flash()
+    small = simulate(conversation, lay, policy_choice("shadowradix"), 8.0, storage_gb=20.0)
+    big = simulate(conversation, lay, policy_choice("shadowradix"), 8.0, storage_gb=2000.0)
+    alone = simulate(conversation, lay, policy_choice("shadowradix"), 8.0)
+    assert alone["hit_rate"] <= small["hit_rate"] < big["hit_rate"] <= big["bound_hit_rate"]

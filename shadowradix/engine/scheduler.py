@@ -71,9 +71,9 @@ class Scheduler:
             fetched = self._prefetched(req, prompt)
             if fetched is _PENDING:
                 return  # the running requests compute while storage answers
-            if fetched is not None and self.host is not None:
-                self._land_on_host(req, prompt, fetched)  # L3 -> L2; the match sees it
-                fetched = None
+            if fetched is not None and self.host is not None and self._land_on_host(
+                    req, prompt, fetched):  # L3 -> L2; the match sees it
+                fetched = None  # else (no host room) the pages go straight to the device
             m = self.cache.match(prompt)
             handle = self.cache.lock(m)
             done, total = m.prefix_len // ps, req.pages_needed(ps)
@@ -94,8 +94,10 @@ class Scheduler:
             resume = done
             if fetched is not None and fetched.pages and fetched.start == done:  # L3 -> L1
                 assert self.storage is not None
-                self.storage.write(fetched, {n: got[n][:fetched.pages] for n in got},
-                                   self.cache.tensor)
+                dst = {n: got[n][:fetched.pages] for n in got}
+                if self.host is not None:  # a copy may still read these (reused) pages
+                    self.host.mover.wait(self.host.ready_ticket(dst))
+                self.storage.write(fetched, dst, self.cache.tensor)
                 resume = fetched.stop
             tables = {}
             for row, name in enumerate(self.cache.layout.pool_names):
@@ -132,24 +134,26 @@ class Scheduler:
         fetched = req.prefetch.result()
         return fetched if fetched.pages else None
 
-    def _land_on_host(self, req: Request, prompt: np.ndarray, fetched: Fetched) -> None:
-        """Put fetched pages on the host tier under the tree's prefix, once (L3 -> L2)."""
+    def _land_on_host(self, req: Request, prompt: np.ndarray, fetched: Fetched) -> bool:
+        """Put fetched pages on the host tier under the tree's prefix, once (L3 -> L2).
+        False when they no longer attach there, or the host has no room for them."""
         assert self.host is not None and self.storage is not None
         ps, storage = self.page_size, self.storage
-        req.prefetch = _NOTHING
         peek = self.cache.match(prompt)
         if peek.prefix_len // ps != fetched.start:
-            return  # the tiers changed while storage answered: the pages no longer attach
+            return False  # the tiers changed while storage answered
         handle = self.cache.lock(peek)  # host eviction must not take the prefix we attach to
         try:
             got = self.cache.alloc({n: fetched.pages for n in self.cache.pools}, HOST)
             if got is None:
-                return
+                return False
             host_tensor = partial(self.cache.tensor, tier=HOST)
             self.host.mover.run(lambda: storage.write(fetched, got, host_tensor))
             pages = np.stack([got[n] for n in self.cache.layout.pool_names])
             self.cache.insert(prompt[:fetched.stop * ps], pages, fetched.start, tier=HOST)
             req.landed = fetched.pages
+            req.prefetch = _NOTHING  # landed once; a retry of the admission finds it there
+            return True
         finally:
             self.cache.unlock(handle)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
@@ -55,6 +56,9 @@ class ReplayStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     host_tokens: int = 0  # of cached_tokens, those loaded back from the host tier
+    storage_tokens: int = 0  # of cached_tokens, those read from storage
+    storage_pages: dict[str, int] = field(  # logical pages read from storage, by destination
+        default_factory=lambda: {"host": 0, "device": 0})
     logical_tokens: int = 0  # deepest logical hits (an upper bound for the tiers)
     inserted_pages: int = 0
     prompt_pages: int = 0
@@ -77,7 +81,7 @@ class ReplayStats:
 def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output: bool = False,
            chunk_pages: int | None = None, check_every: int = 0,
            on_request: Callable[[int], None] | None = None,
-           host: HostTier | None = None) -> ReplayStats:
+           host: HostTier | None = None, storage: SimStorage | None = None) -> ReplayStats:
     """Drive `cache` with `requests` in order; returns counters and timings.
 
     with_output: insert prompt + `output_length` synthetic output tokens (a
@@ -88,6 +92,8 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
         policy) while the request runs. None: one step per request.
     check_every: run `cache.check_integrity` every N requests (0: never).
     host: the host tier over `cache` (its pools), or None for the device alone.
+    storage: the L3 store; a request first reads what lies past the device and host
+        (landing on the host when there is one), and writes through what it computed.
     """
     if chunk_pages is not None and chunk_pages < 1:
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
@@ -108,16 +114,32 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
         st.prompt_tokens += prompt.size
         st.prompt_pages += -(-prompt.size // cache.layout.page_size)
         t0 = time.perf_counter()
+        fetched, landed = (0, 0), 0
+        if storage is not None:
+            fetched = _fetch(cache, storage, prompt)
+            if host is not None and fetched[1] > fetched[0]:
+                landed = _land(cache, prompt, fetched)
+                st.storage_pages["host"] += landed
+                if landed:  # else no host room: the pages go straight to the device
+                    fetched = (0, 0)
         m = cache.match(prompt)
         handle = cache.lock(m)
         st.match_s += time.perf_counter() - t0
+        ps = cache.layout.page_size
+        from_host = m.prefix_len - m.device_prefix_len
+        direct = (fetched[1] - fetched[0]) * ps if fetched[0] * ps == m.prefix_len else 0
         if host is not None and not _load_back(cache, host, m):
             cache.unlock(handle)
             st.refused += 1
         elif _RunningRequest(cache, seq, m.prefix_len, handle, st, host).run(chunk_pages):
-            st.cached_tokens += m.prefix_len
-            st.host_tokens += m.prefix_len - m.device_prefix_len
+            cached = m.prefix_len + direct
+            st.cached_tokens += cached
+            st.host_tokens += from_host - min(landed * ps, from_host)
+            st.storage_tokens += min(landed * ps, from_host) + direct
+            st.storage_pages["device"] += direct // ps
             st.logical_tokens += m.logical_len
+            if storage is not None:
+                storage.save(seq, cached // ps, seq.size // ps)
         else:
             st.refused += 1
         if check_every and (i + 1) % check_every == 0:
@@ -126,6 +148,33 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
             on_request(i)
     st.wall_s = time.perf_counter() - t_start
     return st
+
+
+def _fetch(cache: PrefixCache, storage: SimStorage, prompt: np.ndarray) -> tuple[int, int]:
+    """What storage adds past the device and host for this prompt (see SimStorage.fetch)."""
+    peek = cache.match(prompt)
+    held = peek.page_table if peek.host_table is None else np.where(
+        peek.page_table >= 0, peek.page_table, peek.host_table)
+    return storage.fetch(prompt, held, (prompt.size - 1) // cache.layout.page_size)
+
+
+def _land(cache: PrefixCache, prompt: np.ndarray, fetched: tuple[int, int]) -> int:
+    """Stored pages [start, stop) onto the host under the locked prefix (L3 -> L2), as the
+    engine's scheduler does; returns the pages landed."""
+    start, stop = fetched
+    peek = cache.match(prompt)
+    if peek.prefix_len // cache.layout.page_size != start:
+        return 0
+    handle = cache.lock(peek)
+    try:
+        got = cache.alloc({n: stop - start for n in cache.layout.pool_names}, HOST)
+        if got is None:
+            return 0
+        pages = np.stack([got[n] for n in cache.layout.pool_names])
+        cache.insert(prompt[:stop * cache.layout.page_size], pages, start, tier=HOST)
+        return stop - start
+    finally:
+        cache.unlock(handle)
 
 
 def _load_back(cache: PrefixCache, host: HostTier, m: Any) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from shadowradix.layout.spec import KVLayout
 from shadowradix.sim.replay import CountingMover, replay
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
+from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import BLOCK_TOKENS, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
@@ -71,9 +72,11 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
              device_gb: float | None, *, chunk_pages: int | None = 32,
              on_request: Callable[[int], None] | None = None,
              bound: float | None = None, host_gb: float = 0.0,
-             write_policy: str = "write_through") -> dict[str, Any]:
+             write_policy: str = "write_through",
+             storage_gb: float = 0.0) -> dict[str, Any]:
     """One replay; `device_gb=None` means unbounded memory; `host_gb` > 0 adds a host
-    tier of that size (pools split like the device's). Returns the JSON record."""
+    tier of that size (pools split like the device's); `storage_gb` > 0 an L3 store of
+    that size (inf: unbounded). Returns the JSON record."""
     if device_gb is None:
         tokens = sum(r.input_length + r.output_length for r in requests) + layout.page_size
         pages = {p.name: -(-tokens // layout.page_size) + 1 for p in layout.pools}
@@ -85,9 +88,14 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     cache = PrefixCache(layout, pages, choice.policy, host_pages=host_pages)
     mover = CountingMover(layout.page_bytes())
     host = HostTier(cache, mover, write_policy) if host_pages else None  # type: ignore[arg-type]
+    if storage_gb < 0:
+        raise ValueError(f"storage_gb must be >= 0, got {storage_gb}")
+    store = None
+    if storage_gb:
+        store = SimStorage(cache, None if storage_gb == float("inf") else storage_gb * GB)
     t0 = time.perf_counter()
     st = replay(cache, requests, with_output=True, chunk_pages=chunk_pages,
-                on_request=on_request, host=host)
+                on_request=on_request, host=host, storage=store)
     seconds = time.perf_counter() - t0
     cache.flush(DEVICE)
     if host_pages:
@@ -101,20 +109,23 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     page_bytes = layout.page_bytes()
     return {
         "policy": choice.name, "layout": layout.name, "page_size": layout.page_size,
-        "device_gb": device_gb, "host_gb": host_gb,
+        "device_gb": device_gb, "host_gb": host_gb, "storage_gb": storage_gb,
         "write_policy": write_policy if host_pages else None,
         "window_ratio": choice.window_ratio,
         "pool_pages": pages, "pool_bytes": budget_bytes(pages, layout),
         "requests": st.requests, "refused": st.refused,
         "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
-        "cached_by_tier": {"device": st.cached_tokens - st.host_tokens,
-                           "host": st.host_tokens, "storage": 0},
+        "cached_by_tier": {"device": st.cached_tokens - st.host_tokens - st.storage_tokens,
+                           "host": st.host_tokens, "storage": st.storage_tokens},
         "computed_tokens": st.computed_tokens,
         "hit_rate": st.hit_rate, "bound_hit_rate": bound,
         "share_of_bound": st.hit_rate / bound if bound else 0.0,
         "seconds": seconds,
         "peak_pages": st.peak_pages,
         "peak_bytes": {n: st.peak_pages[n] * page_bytes[n] for n in st.peak_pages},
-        "bytes_moved": {f"{a}->{b}": mover.bytes[f"{a}->{b}"]
-                        for a in TIERS for b in TIERS if a != b},
+        "bytes_moved": {**{f"{a}->{b}": mover.bytes[f"{a}->{b}"]
+                           for a in TIERS for b in TIERS if a != b},
+                        **{f"storage->{to}": n * sum(page_bytes.values())
+                           for to, n in st.storage_pages.items()},
+                        "device->storage": store.bytes_written if store else 0},
     }
