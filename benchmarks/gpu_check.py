@@ -31,7 +31,7 @@ from shadowradix import CacheConfig, Engine, SamplingParams
 from shadowradix.layout import KVLayout, PoolSpec, Retention
 from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.mover import mover_for
-from shadowradix.tree.radix import HOST
+from shadowradix.tree.tier import HOST
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 

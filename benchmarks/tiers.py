@@ -99,7 +99,7 @@ def loadback_ratio() -> dict:
     from shadowradix.layout import KVLayout, PoolSpec, Retention
     from shadowradix.tiers import PrefixCache
     from shadowradix.tiers.mover import ThreadMover
-    from shadowradix.tree.radix import HOST
+    from shadowradix.tree.tier import HOST
 
     layers, pages, n = 8, 96, 64  # 2 MiB pages (256 tokens x 512 bf16 x 8 layers)
     layout = KVLayout("bench", (PoolSpec("kv", 1, Retention.ALL, (512,), "bfloat16", layers),),

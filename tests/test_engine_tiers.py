@@ -68,7 +68,7 @@ def test_many_conversations_through_a_small_device_stay_exact(model, monkeypatch
     if slow_copies:
         import shadowradix.tiers.mover as mover
         from shadowradix.tiers.host_tier import HostTier
-        from shadowradix.tree.radix import HOST
+        from shadowradix.tree.tier import HOST
 
         fast_copy, submit = mover.copy_pages, HostTier._submit
 

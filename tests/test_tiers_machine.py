@@ -20,7 +20,7 @@ from test_tree_machine import PS, CacheMachine, Open, _test_case
 from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tree import MatchResult
-from shadowradix.tree.radix import DEVICE, HOST
+from shadowradix.tree.tier import DEVICE, HOST
 
 
 class ContentMover:

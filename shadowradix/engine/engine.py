@@ -20,7 +20,7 @@ from shadowradix.tiers.mover import mover_for
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
-from shadowradix.tree.radix import DEVICE, HOST
+from shadowradix.tree.tier import DEVICE, HOST
 
 TIERS = ("device", "host", "storage")
 

@@ -25,7 +25,7 @@ from shadowradix.model.context import RequestKV
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage_tier import Fetched, StorageTier
-from shadowradix.tree.radix import HOST
+from shadowradix.tree.tier import HOST
 
 _PENDING = Fetched(-1, -1, [])  # a prefetch still in flight
 _NOTHING: Future[Fetched] = Future()  # a prefetch already used

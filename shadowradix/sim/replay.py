@@ -22,8 +22,8 @@ from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.radix import HOST
 from shadowradix.tree.results import InsertResult, LockHandle
+from shadowradix.tree.tier import HOST
 
 
 class CountingMover:

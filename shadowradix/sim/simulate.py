@@ -21,7 +21,7 @@ from shadowradix.sim.trace import BLOCK_TOKENS, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.policy import CheckpointPolicy
-from shadowradix.tree.radix import DEVICE, HOST
+from shadowradix.tree.tier import DEVICE, HOST
 
 POLICY_NAMES = ("shadowradix", "periodic", "eager-swa", "no-shadows")
 TIERS = ("device", "host", "storage")

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.node import Node
-from shadowradix.tree.radix import DEVICE, HOST, PAGE
+from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.results import MatchResult
+from shadowradix.tree.tier import DEVICE, HOST
 
 if TYPE_CHECKING:
     from shadowradix.tiers.mover import Copy, Mover

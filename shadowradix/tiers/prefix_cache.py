@@ -18,9 +18,10 @@ import numpy as np
 from shadowradix.layout.spec import KVLayout
 from shadowradix.pool.allocator import PAGE_DTYPE, PagePool
 from shadowradix.tree.policy import CheckpointPolicy
-from shadowradix.tree.radix import DEVICE, HOST, ShadowRadix
+from shadowradix.tree.radix import ShadowRadix
 from shadowradix.tree.results import InsertResult, LockHandle, MatchResult
 from shadowradix.tree.stats import TreeStats
+from shadowradix.tree.tier import DEVICE, HOST
 
 
 def _sizes(layout: KVLayout, pages: int | Mapping[str, int]) -> dict[str, int]:

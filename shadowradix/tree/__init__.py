@@ -6,8 +6,11 @@ from shadowradix.tree.radix import ShadowRadix, as_tokens
 from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import PoolCounts, TreeStats
+from shadowradix.tree.tier import DEVICE, HOST, Tier
 
 __all__ = [
+    "DEVICE",
+    "HOST",
     "POLICIES",
     "CheckpointPolicy",
     "EvictResult",
@@ -18,6 +21,7 @@ __all__ = [
     "Node",
     "PoolCounts",
     "ShadowRadix",
+    "Tier",
     "TreeStats",
     "as_tokens",
     "periodic",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _ids = itertools.count()
+PAGE = np.int32  # physical page ids; -1 is a tombstone (or "not in this tier")
 
 
 @dataclass(slots=True, eq=False)

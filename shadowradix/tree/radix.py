@@ -18,25 +18,20 @@ the host pages back and `fill`ed the device shadow.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from shadowradix.layout.spec import KVLayout, Retention
-from shadowradix.tree.lru import LRUHeap
-from shadowradix.tree.node import Node, leading_equal_pages
+from shadowradix.tree.eviction import Eviction
+from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
-from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult
+from shadowradix.tree.results import InsertResult, LockHandle, MatchResult
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import TreeStats, count_stats
+from shadowradix.tree.tier import DEVICE, HOST
 
-PAGE = np.int32
 TOKEN = np.int32
-DEVICE, HOST = 0, 1
-
-# spill(node, mask) -> host page ids [pools, n] (-1 where none): write-back's hook, called
-# with the device pages eviction is about to drop that have no host copy.
-Spill = Callable[[Node, np.ndarray], np.ndarray]
 
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -60,14 +55,14 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 _TOKEN_MIN, _TOKEN_MAX = int(np.iinfo(TOKEN).min), int(np.iinfo(TOKEN).max)
 
 
-class ShadowRadix:
-    """The logical tree over token positions, with per-pool shadows and two lock counts."""
+class ShadowRadix(Eviction):
+    """The logical tree over token positions, with per-pool shadows and two lock counts.
+    Eviction, per tier and pool, is in tree/eviction.py."""
 
     def __init__(self, layout: KVLayout, policy: CheckpointPolicy | None = None, *,
                  host: bool = False) -> None:
         self.layout = layout
         self.tiers = 2 if host else 1
-        self.spill: Spill | None = None
         self.policy = policy or CheckpointPolicy()
         self.rule = MatchRule.of(layout)
         self.page_size = layout.page_size
@@ -79,14 +74,7 @@ class ShadowRadix:
         self._clock = 0
         self._held = [[0] * self.n_pools for _ in range(self.tiers)]  # pages, per tier and pool
         self._n_nodes = 1
-        # Per tier: leaves, and per short-lived pool the nodes with pages outside /
-        # inside kept checkpoints. Each heap has its own bit in Node.queued.
-        bits = 1 + 2 * self.n_pools
-        self._leaves = [LRUHeap(t * bits) for t in range(self.tiers)]
-        self._loose = [{row: LRUHeap(t * bits + 1 + 2 * row) for row in self.short_lived_rows}
-                       for t in range(self.tiers)]
-        self._kept = [{row: LRUHeap(t * bits + 2 + 2 * row) for row in self.short_lived_rows}
-                      for t in range(self.tiers)]
+        self._init_eviction()
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
@@ -312,183 +300,6 @@ class ShadowRadix:
                 need -= take
             node = node.parent
 
-    # -------------------------------------------------------------- eviction
-    def evict(self, pool: str, num_pages: int, tier: int = DEVICE) -> EvictResult:
-        """Let at least `num_pages` pages of `pool` go from `tier`, if that many are unlocked.
-
-        ALL pools (and every pool when tombstones are off) lose whole unlocked
-        leaves of the tier, least recently used first: all of a node's shadows
-        in the tier go. A node that still holds pages in the other tier stays
-        (host-only after a device eviction); one that holds none is removed.
-        WINDOW / CHECKPOINT pools are tombstoned page by page, least recently
-        used first, pages outside kept checkpoints before those inside. A leaf
-        left with no checkpoint to resume from in any tier is removed too.
-        Locked pages stay in both tiers. With a `spill` hook (write-back), device
-        pages without a host copy are offered to the host before they go.
-        evict(_, 0) is a no-op. The result lists every page let go, in every pool
-        and both tiers.
-        """
-        row = self.layout.index(pool)
-        if not 0 <= tier < self.tiers:
-            raise ValueError(f"tier {tier}: this tree has {self.tiers} tier(s)")
-        freed: list[list[list[np.ndarray]]] = [[[] for _ in range(self.n_pools)]
-                                               for _ in range(self.tiers)]
-        got = 0
-        if num_pages > 0:
-            if row in self._loose[tier] and self.policy.tombstones:
-                for kept in (False, True):
-                    if got < num_pages:
-                        got += self._tombstone(tier, row, kept, num_pages - got, freed)
-            if got < num_pages and (row not in self._loose[tier] or not self.policy.tombstones):
-                self._evict_leaves(tier, row, num_pages - got, freed)
-        out = [{p.name: (np.concatenate(f[i]) if f[i] else np.empty(0, PAGE))
-                for i, p in enumerate(self.layout.pools)} for f in freed]
-        return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
-
-    def _tombstone(self, tier: int, row: int, kept: bool, want: int,
-                   freed: list[list[list[np.ndarray]]]) -> int:
-        heap = (self._kept if kept else self._loose)[tier][row]
-        got, skipped = 0, []
-        for node in heap.oldest(lambda n: self._has(n, tier, row, kept)):
-            slot = node.slot(tier)
-            mask = (slot[row] >= 0) & (node.window_lock == 0)
-            mask &= node.keep[row] if kept else ~node.keep[row]
-            if np.count_nonzero(mask):
-                if tier == DEVICE:
-                    self._spill(node, row, mask)
-                pages = slot[row, mask]
-                slot[row, mask] = -1
-                self._held[tier][row] -= pages.size
-                freed[tier][row].append(pages)
-                got += pages.size
-                if not node.children and node.full_lock == 0:
-                    self._drop_dead_leaf(node, freed)
-            if node.alive and self._has(node, tier, row, kept):
-                skipped.append(node)  # its remaining pages are locked
-            if got >= want:
-                break
-        for node in skipped:
-            heap.add(node)
-        return got
-
-    def _evict_leaves(self, tier: int, row: int, want: int,
-                      freed: list[list[list[np.ndarray]]]) -> None:
-        got, skipped = 0, []
-        heap = self._leaves[tier]
-        wanted = ((lambda n: not n.children) if self.tiers == 1 else
-                  (lambda n: self._resident(n, tier) and
-                   not any(self._resident(c, tier) for c in n.children.values())))
-        for node in heap.oldest(wanted):
-            if node.full_lock > 0:
-                skipped.append(node)
-                continue
-            got += int(np.count_nonzero(node.slot(tier)[row] >= 0))
-            if tier == DEVICE and self.spill is not None:
-                self._spill(node, None, node.pages >= 0)
-            if self.tiers == 1:
-                self._remove_leaf(node, freed)
-            elif not node.children and not self._resident(node, self.tiers - 1 - tier):
-                parent = node.parent  # the other tier does not hold it either: it goes
-                self._remove_leaf(node, freed)
-                self._drop_dead_leaf(parent, freed)  # type: ignore[arg-type]
-            else:  # it stays for the other tier (or for children only the other tier holds)
-                self._drop_tier(node, tier, freed)
-                self._drop_dead_leaf(node, freed)
-            if got >= want:
-                break
-        for node in skipped:
-            heap.add(node)
-
-    def _spill(self, node: Node, row: int | None, mask: np.ndarray) -> None:
-        """Write-back: offer device pages `mask` (one row or [pools, n]) to the host."""
-        if self.spill is None:
-            return
-        host = node.slot(HOST)
-        want = np.zeros(node.pages.shape, dtype=bool)
-        if row is None:
-            want[:] = mask
-        else:
-            want[row] = mask
-        want &= host < 0
-        if not np.count_nonzero(want):
-            return
-        got = np.asarray(self.spill(node, want), dtype=PAGE)
-        put = want & (got >= 0)
-        host[put] = got[put]
-        self._count(put, +1, HOST)
-        self._enqueue(node)
-
-    def _drop_tier(self, node: Node, tier: int, freed: list[list[list[np.ndarray]]]) -> None:
-        """Let every page of one tier of a node go; the node stays for the other tier."""
-        slot = node.slot(tier)
-        for row in range(self.n_pools):
-            pages = slot[row][slot[row] >= 0]
-            if pages.size:
-                freed[tier][row].append(pages)
-                self._held[tier][row] -= pages.size
-        slot[:] = -1
-        if node.parent is not None and node.parent is not self.root:
-            self._leaves[tier].add(node.parent)
-
-    def _resident(self, node: Node, tier: int) -> bool:
-        """Whether a node holds its data in `tier`: its ALL pages (all or none of them are
-        there), or any page in a layout without ALL pools."""
-        slot = node.slot(tier)
-        if self.rule.all_rows:
-            return bool(slot[self.rule.all_rows[0], 0] >= 0)
-        return bool(np.count_nonzero(slot >= 0))
-
-    def _drop_dead_leaf(self, node: Node, freed: list[list[list[np.ndarray]]]) -> None:
-        """Remove unlocked leaves (walking up) that no longer hold a resume point."""
-        while (node is not self.root and node.parent is not None and not node.children
-               and node.full_lock == 0 and self._dead(node)):
-            parent = node.parent
-            self._remove_leaf(node, freed)
-            node = parent
-
-    def _dead(self, node: Node) -> bool:
-        """No tier holds the node, or no tier holds a resume point in it."""
-        if self.tiers > 1 and not any(self._resident(node, t) for t in range(self.tiers)):
-            return True
-        return self.rule.has_checkpoints and not np.count_nonzero(
-            self.rule.resumable(self._either(node))[1:])
-
-    def _either(self, node: Node) -> np.ndarray:
-        """A node's pages as one table: >= 0 where any tier holds the page."""
-        if self.tiers == 1:
-            return node.pages
-        return np.maximum(node.pages, node.slot(HOST))
-
-    def _remove_leaf(self, node: Node, freed: list[list[list[np.ndarray]]]) -> None:
-        assert not node.children and node.full_lock == 0 and node.parent is not None
-        for tier, slot in enumerate((node.pages,) if node.host is None else
-                                    (node.pages, node.host)):
-            for row in range(self.n_pools):
-                pages = slot[row][slot[row] >= 0]
-                if pages.size:
-                    freed[tier][row].append(pages)
-                    self._held[tier][row] -= pages.size
-        parent = node.parent
-        del parent.children[node.key(self.page_size)]
-        node.alive = False
-        node.parent = None
-        self._n_nodes -= 1
-        if parent is not self.root:
-            for tier in range(self.tiers):
-                if self.tiers > 1 or not parent.children:
-                    self._leaves[tier].add(parent)
-
-    def _count(self, mask: np.ndarray, step: int, tier: int = DEVICE) -> None:
-        """Adjust the per-pool page counts by the set cells of `mask` [pools, n]."""
-        held = self._held[tier]
-        for row in range(self.n_pools):
-            held[row] += step * int(np.count_nonzero(mask[row]))
-
-    def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
-        present = node.slot(tier)[row] >= 0
-        mask = present & node.keep[row] if kept else present & ~node.keep[row]
-        return bool(np.count_nonzero(mask))
-
     # ------------------------------------------------------------------ tiers
     def fill(self, node: Node, table: np.ndarray, tier: int) -> None:
         """Adopt pages into one tier along the path root..node.
@@ -550,26 +361,6 @@ class ShadowRadix:
         self._clock += 1
         for node in nodes:
             node.last_access = self._clock
-
-    def _enqueue(self, node: Node) -> None:
-        """Make `node` a candidate in the LRU heaps that may want it.
-
-        Cheap on purpose: a heap checks on pop whether the node still holds
-        pages of its kind and drops it if not.
-        """
-        if self.tiers == 1:
-            if not node.children:
-                self._leaves[0].add(node)
-            loose, kept = self._loose[0], self._kept[0]
-            for row in self.short_lived_rows:
-                loose[row].add(node)
-                kept[row].add(node)
-            return
-        for tier in range(self.tiers):
-            self._leaves[tier].add(node)
-            for row in self.short_lived_rows:
-                self._loose[tier][row].add(node)
-                self._kept[tier][row].add(node)
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root, parents before children."""
