@@ -15,23 +15,18 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from common import write_json
 from test_engine import rand_tokens
+from tiers import loadback_ratio
 from tiny_model import reference_logits, tiny_model
 
 from shadowradix import CacheConfig, Engine, SamplingParams
-from shadowradix.layout import KVLayout, PoolSpec, Retention
-from shadowradix.tiers import PrefixCache
-from shadowradix.tiers.mover import mover_for
-from shadowradix.tree.tier import HOST
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
@@ -65,56 +60,6 @@ def exactness(device: torch.device, workdir: Path) -> dict:
     return out
 
 
-def loadback(device: torch.device) -> dict:
-    layers, pages, n = 8, 96, 64
-    layout = KVLayout("bench", (PoolSpec("kv", 1, Retention.ALL, (512,), "bfloat16", layers),),
-                      256)
-    cache = PrefixCache(layout, pages, device=device, host_pages=pages)
-    host = cache.tensor("kv", HOST)
-    host.copy_(torch.randn(host.shape).to(host.dtype))
-    mover = mover_for(cache.tensor, device)
-    nbytes = n * host[:, 0].numel() * host.element_size()
-    src_raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst_raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    src_raw.copy_(host.view(torch.uint8).flatten()[:nbytes])  # real bytes, not untouched pages
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def timed(fn) -> float:
-        fn()
-        sync()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    rng = np.random.default_rng(0)
-    out = {"bytes": nbytes, "mover": type(mover).__name__,
-           "pinned": bool(host.is_pinned()) if device.type == "cuda" else False}
-    t_raw = timed(lambda: dst_raw.copy_(src_raw, non_blocking=True))
-    for case in ("consecutive", "scattered"):
-        if case == "consecutive":
-            src, dst = np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32) + 8
-        else:
-            src = rng.permutation(pages)[:n].astype(np.int32)
-            dst = rng.permutation(pages)[:n].astype(np.int32)
-
-        def ours(src=src, dst=dst) -> None:
-            mover.wait(mover.submit([("kv", HOST, src, dst)]))
-
-        t = timed(ours)
-        assert torch.equal(cache.tensor("kv")[:, int(dst[3])].cpu(), host[:, int(src[3])])
-        out[case] = {"ratio": t_raw / t, "GBps": nbytes / t / 1e9,
-                     "raw_GBps": nbytes / t_raw / 1e9}
-    mover.close()
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
@@ -124,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory() as tmp:
         result = {"device": str(device), "torch": torch.__version__,
-                  "exactness": exactness(device, Path(tmp)), "loadback": loadback(device)}
+                  "exactness": exactness(device, Path(tmp)),
+                  "loadback": loadback_ratio(str(device))}
     ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
     result["ok"] = ok
     print(f"device {device}")
