@@ -205,8 +205,12 @@ def test_stats_report_hits_pools_and_hisparse(model):
     assert st["hisparse"] == {"hits": 0, "misses": 0, "bytes_moved": 0}
 
 
-def test_an_interrupted_generate_leaves_nothing_locked_or_allocated(model, monkeypatch):
-    eng = engine(model)
+@pytest.mark.parametrize("host_tokens", [0, 1024])
+def test_an_interrupted_generate_leaves_nothing_locked_or_allocated(model, monkeypatch,
+                                                                     host_tokens):
+    eng = engine(model, device_tokens=512, host_tokens=host_tokens)
+    eng.generate([rand_tokens(45, 52), rand_tokens(45, 53)], GREEDY)  # some cache, some on host
+    eng.cache.flush(tiers=("device",))
     calls = {"n": 0}
     original = eng.runner.forward_batch
 
@@ -217,10 +221,11 @@ def test_an_interrupted_generate_leaves_nothing_locked_or_allocated(model, monke
         return original(segments, store)
 
     monkeypatch.setattr(eng.runner, "forward_batch", failing)
-    with pytest.raises(KeyboardInterrupt):
-        eng.generate([rand_tokens(40, 50), rand_tokens(30, 51)], GREEDY)
+    with pytest.raises(KeyboardInterrupt):  # the second resumes from the host when it has one
+        eng.generate([rand_tokens(40, 50), rand_tokens(45, 52) + rand_tokens(9, 54)], GREEDY)
     monkeypatch.setattr(eng.runner, "forward_batch", original)
-    eng._prefix.check_integrity(held={})  # every page is the tree's or free: none leaked
+    eng._prefix.check_integrity(held={})  # every page is the tree's or free, in both tiers
+    assert not host_tokens or eng.stats()["host"]["loaded"] > 0
     assert all(p["locked"] == 0 for p in eng.stats()["pools"].values())
     prompt = rand_tokens(40, 50)
     check(model, prompt, eng.generate([prompt], GREEDY, return_logits=True)[0])
