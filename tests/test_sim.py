@@ -126,6 +126,22 @@ def test_cli_simulate_sweep_writes_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_simulate_with_host_and_storage_tiers(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", str(bundled_trace("conversation")), "--model", "deepseek-v4-flash",
+               "--limit", "400", "--device-gb", "2", "--host-gb", "4", "--write-policy",
+               "write_back", "--storage-gb", "inf", "--policy", "shadowradix",
+               "--json", str(out)])
+    assert rc == 0
+    run = json.loads(out.read_text())
+    assert (run["host_gb"], run["storage_gb"], run["write_policy"]) == (4.0, float("inf"),
+                                                                       "write_back")
+    assert run["cached_by_tier"]["host"] > 0 and run["cached_by_tier"]["storage"] > 0
+    assert run["bytes_moved"]["device->host"] > 0 and run["bytes_moved"]["device->storage"] > 0
+    printed = capsys.readouterr().out  # the tier columns render (their titles may wrap)
+    assert "infinite-cache bound" in printed and "storage" in printed
+
+
 @pytest.mark.parametrize("policy,write_policy", [("shadowradix", "write_through"),
                                                  ("no-shadows", "write_back"),
                                                  ("periodic", "write_through")])
