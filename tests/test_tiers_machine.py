@@ -9,7 +9,7 @@ run nothing leaks in either tier.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from helpers import needed_pages, page_key
@@ -39,6 +39,10 @@ class ContentMover:
         self.last += 1
         return self.last
 
+    def run(self, fn: Callable[[], None]) -> int:
+        fn()
+        return self.last
+
     def done(self, ticket: int) -> bool:
         return True
 
@@ -54,7 +58,6 @@ class TieredMachine(CacheMachine):
         mover = ContentMover([self.content, self.host_content], self.layout.pool_names)
         self.host = HostTier(self.cache, mover, self.write_policy,  # type: ignore[arg-type]
                              hit_threshold=2)
-        self.host_hits = 0
 
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
@@ -75,22 +78,19 @@ class TieredMachine(CacheMachine):
     @precondition(lambda self: self.inserted)
     @rule(data=st.data())
     def land_from_storage(self, data: st.DataObject) -> None:
-        """Pages a store returned land on the host under the tree's prefix (L3 -> L2), as
-        the scheduler does: the prefix is locked while host pages are found for them."""
+        """Pages a store returned land on the host under the tree's prefix (L3 -> L2)."""
         tokens = data.draw(st.sampled_from(self.inserted))
-        peek = self.cache.match(tokens)
-        start, stop = peek.prefix_len // PS, (len(tokens) - 1) // PS
+        start = self.cache.match(tokens).prefix_len // PS
+        stop = (len(tokens) - 1) // PS
         if stop <= start:
             return
-        handle = self.cache.lock(peek)
-        got = self.cache.alloc({name: stop - start for name in self.layout.pool_names}, HOST)
-        if got is not None:
+
+        def write(pages: dict[str, np.ndarray]) -> None:
             for row, name in enumerate(self.layout.pool_names):
-                for i, page in enumerate(got[name].tolist()):
+                for i, page in enumerate(pages[name].tolist()):
                     self.host_content[row][page] = page_key(tokens, start + i, row, PS)
-            pages = np.stack([got[name] for name in self.layout.pool_names])
-            self.cache.insert(tokens[:stop * PS], pages, start, tier=HOST)
-        self.cache.unlock(handle)
+
+        self.host.land(np.asarray(tokens, dtype=np.int32), start, stop, write)
 
     def _admit(self, tokens: list[int]) -> None:
         cache, ps = self.cache, PS
@@ -101,13 +101,11 @@ class TieredMachine(CacheMachine):
         load = self.host.load_need(m)
         need = {p.name: (full if p.ratio is None else total) - done + load.get(p.name, 0)
                 for p in self.layout.pools}
-        self.host.make_room(need)
         got = cache.alloc(need)
         if got is None:
             cache.unlock(handle)
             return
         table = self.host.load(m, {n: got[n][:load.get(n, 0)] for n in got})
-        self.host_hits += m.host_pages
         self.host.after_match(m)
         own = np.empty((len(self.layout.pools), full - done), dtype=np.int32)
         partial = {}

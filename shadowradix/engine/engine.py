@@ -245,8 +245,8 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Stop accepting work, finish the host copies in flight and close the storage
-        backend (its writes are synchronous)."""
+        """Stop accepting work, finish the host copies and the storage reads and writes
+        in flight, and close the storage backend."""
         self._closed = True
         if self.host is not None:
             self.host.mover.close()

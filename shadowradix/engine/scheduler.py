@@ -71,16 +71,13 @@ class Scheduler:
             fetched = self._prefetched(req, prompt)
             if fetched is _PENDING:
                 return  # the running requests compute while storage answers
-            if fetched is not None and self.host is not None and self._land_on_host(
-                    req, prompt, fetched):  # L3 -> L2; the match sees it
-                fetched = None  # else (no host room) the pages go straight to the device
+            if fetched is not None and self.host is not None and self._land(req, prompt, fetched):
+                fetched = None  # L3 -> L2: the match sees it (else it goes to the device)
             m = self.cache.match(prompt)
             handle = self.cache.lock(m)
             done, total = m.prefix_len // ps, req.pages_needed(ps)
             load = self.host.load_need(m) if self.host is not None else {}
             need = {name: total - done + load.get(name, 0) for name in self.cache.pools}
-            if self.host is not None:
-                self.host.make_room(need)
             got = self.cache.alloc(need)
             if got is None:
                 self.cache.unlock(handle)
@@ -125,37 +122,24 @@ class Scheduler:
             return None
         if req.prefetch is None:
             peek = self.cache.match(prompt)  # nothing locked: only where to start reading
-            held = peek.page_table if peek.host_table is None else np.where(
-                peek.page_table >= 0, peek.page_table, peek.host_table)
-            req.prefetch = self.storage.prefetch(prompt, held, (req.prompt_len - 1)
-                                                 // self.page_size)
+            req.prefetch = self.storage.prefetch(prompt, peek.held_table,
+                                                 (req.prompt_len - 1) // self.page_size)
         if not req.prefetch.done() and self.running:
             return _PENDING
         fetched = req.prefetch.result()
         return fetched if fetched.pages else None
 
-    def _land_on_host(self, req: Request, prompt: np.ndarray, fetched: Fetched) -> bool:
-        """Put fetched pages on the host tier under the tree's prefix, once (L3 -> L2).
-        False when they no longer attach there, or the host has no room for them."""
+    def _land(self, req: Request, prompt: np.ndarray, fetched: Fetched) -> bool:
+        """Fetched pages onto the host tier (L3 -> L2), once: a retry of the admission
+        finds them in the tree."""
         assert self.host is not None and self.storage is not None
-        ps, storage = self.page_size, self.storage
-        peek = self.cache.match(prompt)
-        if peek.prefix_len // ps != fetched.start:
-            return False  # the tiers changed while storage answered
-        handle = self.cache.lock(peek)  # host eviction must not take the prefix we attach to
-        try:
-            got = self.cache.alloc({n: fetched.pages for n in self.cache.pools}, HOST)
-            if got is None:
-                return False
-            host_tensor = partial(self.cache.tensor, tier=HOST)
-            self.host.mover.run(lambda: storage.write(fetched, got, host_tensor))
-            pages = np.stack([got[n] for n in self.cache.layout.pool_names])
-            self.cache.insert(prompt[:fetched.stop * ps], pages, fetched.start, tier=HOST)
-            req.landed = fetched.pages
-            req.prefetch = _NOTHING  # landed once; a retry of the admission finds it there
-            return True
-        finally:
-            self.cache.unlock(handle)
+        storage, host_tensor = self.storage, partial(self.cache.tensor, tier=HOST)
+        if not self.host.land(prompt, fetched.start, fetched.stop,
+                              lambda pages: storage.write(fetched, pages, host_tensor)):
+            return False
+        req.landed = fetched.pages
+        req.prefetch = _NOTHING
+        return True
 
     def ready(self, req: Request) -> bool:
         """Whether the request's host copies are done (so a step need not wait for them)."""

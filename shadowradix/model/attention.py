@@ -161,18 +161,17 @@ def _snapshot(store: PagedStorage, req: RequestKV, layer: int, w0: int, ratio: i
     """Write the CSA overlap at every page end this chunk closed into the state pool."""
     if "state" not in req.page_tables or not c4:
         return
-    ps = store.layout.page_size
-    per_page = ps // ratio
-    flat = store.flat("state", layer)
+    per_page = store.layout.page_size // ratio
     table = req.page_tables["state"]
-    for i in range(len(c4)):
-        w = w0 + i
-        if (w + 1) % per_page:
-            continue
-        page = (w + 1) // per_page - 1
-        if page >= table.shape[0] or int(table[page]) < 0:
-            continue
-        flat[int(table[page])] = torch.cat([c4[i], idx[i]], dim=-1)
+    ends = [(i, (w0 + i + 1) // per_page - 1) for i in range(len(c4))
+            if (w0 + i + 1) % per_page == 0 and (w0 + i + 1) // per_page <= table.shape[0]]
+    if not ends:
+        return
+    physical = table[[page for _, page in ends]].tolist()  # one read of the page table
+    rows = [(i, p) for (i, _), p in zip(ends, physical, strict=True) if p >= 0]
+    if rows:
+        entries = torch.stack([torch.cat([c4[i], idx[i]], dim=-1) for i, _ in rows])
+        store.flat("state", layer)[[p for _, p in rows]] = entries
 
 
 def resume_states(store: PagedStorage, req: RequestKV, layer_types: list[str],
@@ -181,12 +180,12 @@ def resume_states(store: PagedStorage, req: RequestKV, layer_types: list[str],
     """Load each CSA layer's overlap from the checkpoint at page `resume_pages`."""
     if resume_pages == 0:
         return
-    table = req.page_tables["state"]
+    page = int(req.page_tables["state"][resume_pages - 1])  # read once, not per layer
     for layer, kind in enumerate(layer_types):
         if kind != CSA:
             continue
         comp = modules[layer].compressor
-        entry = store.flat("state", layer)[int(table[resume_pages - 1])]
+        entry = store.flat("state", layer)[page]
         hd = comp.head_dim
         for series, module, cols in (("compressor", comp, slice(None, hd)),
                                      ("indexer", comp.indexer, slice(hd, None))):

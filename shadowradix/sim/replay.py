@@ -117,11 +117,10 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
         fetched, landed = (0, 0), 0
         if storage is not None:
             fetched = _fetch(cache, storage, prompt)
-            if host is not None and fetched[1] > fetched[0]:
-                landed = _land(cache, prompt, fetched)
+            if host is not None and fetched[1] > fetched[0] and host.land(prompt, *fetched):
+                landed = fetched[1] - fetched[0]
                 st.storage_pages["host"] += landed
-                if landed:  # else no host room: the pages go straight to the device
-                    fetched = (0, 0)
+                fetched = (0, 0)  # else (no host room) the pages go straight to the device
         m = cache.match(prompt)
         handle = cache.lock(m)
         st.match_s += time.perf_counter() - t0
@@ -152,36 +151,14 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
 
 def _fetch(cache: PrefixCache, storage: SimStorage, prompt: np.ndarray) -> tuple[int, int]:
     """What storage adds past the device and host for this prompt (see SimStorage.fetch)."""
-    peek = cache.match(prompt)
-    held = peek.page_table if peek.host_table is None else np.where(
-        peek.page_table >= 0, peek.page_table, peek.host_table)
+    held = cache.match(prompt).held_table
     return storage.fetch(prompt, held, (prompt.size - 1) // cache.layout.page_size)
-
-
-def _land(cache: PrefixCache, prompt: np.ndarray, fetched: tuple[int, int]) -> int:
-    """Stored pages [start, stop) onto the host under the locked prefix (L3 -> L2), as the
-    engine's scheduler does; returns the pages landed."""
-    start, stop = fetched
-    peek = cache.match(prompt)
-    if peek.prefix_len // cache.layout.page_size != start:
-        return 0
-    handle = cache.lock(peek)
-    try:
-        got = cache.alloc({n: stop - start for n in cache.layout.pool_names}, HOST)
-        if got is None:
-            return 0
-        pages = np.stack([got[n] for n in cache.layout.pool_names])
-        cache.insert(prompt[:stop * cache.layout.page_size], pages, start, tier=HOST)
-        return stop - start
-    finally:
-        cache.unlock(handle)
 
 
 def _load_back(cache: PrefixCache, host: HostTier, m: Any) -> bool:
     """Device pages for the host-only part of the match, filled into the tree."""
     need = host.load_need(m)
     if any(need.values()):
-        host.make_room(need)
         got = cache.alloc(need)
         if got is None:
             return False
@@ -234,8 +211,6 @@ class _RunningRequest:
         t0 = time.perf_counter()
         need = {n: (min(end, self.full) - min(pos, self.full) if n in self.ckpt else end - pos)
                 for n in self.names}
-        if self.host is not None:
-            self.host.make_room(need)  # write-back: room on the host for what eviction spills
         got = self.cache.alloc(need)
         self.st.alloc_s += time.perf_counter() - t0
         if got is None:

@@ -125,7 +125,7 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
         "peak_bytes": {n: st.peak_pages[n] * page_bytes[n] for n in st.peak_pages},
         "bytes_moved": {**{f"{a}->{b}": mover.bytes[f"{a}->{b}"]
                            for a in TIERS for b in TIERS if a != b},
-                        **{f"storage->{to}": n * sum(page_bytes.values())
+                        **{f"storage->{to}": n * store.page_bytes if store else 0
                            for to, n in st.storage_pages.items()},
                         "device->storage": store.bytes_written if store else 0},
     }

@@ -25,7 +25,6 @@ class SimStorage:
         self.page_bytes = sum(cache.layout.page_bytes().values())  # one page, every pool
         self.cap_pages = None if cap_bytes is None else int(cap_bytes // self.page_bytes)
         self._pages: OrderedDict[bytes, None] = OrderedDict()
-        self.bytes_read = 0
         self.bytes_written = 0
 
     def fetch(self, tokens: np.ndarray, held: np.ndarray, limit: int) -> tuple[int, int]:
@@ -39,13 +38,9 @@ class SimStorage:
         stop = start
         while stop < limit and hashes[stop] in self._pages:
             stop += 1
-        if stop == start:
-            return start, start
-        ext = np.concatenate([held, np.zeros((held.shape[0], stop - start), held.dtype)], axis=1)
-        q = max(self.rule.deepest(ext), start)
+        q = self.rule.deepest_after(held, stop - start)
         for h in hashes[start:q]:
             self._pages.move_to_end(h)
-        self.bytes_read += (q - start) * self.page_bytes
         return start, q
 
     def save(self, tokens: np.ndarray, lo: int, hi: int) -> None:
@@ -61,7 +56,3 @@ class SimStorage:
             self.bytes_written += self.page_bytes
             if self.cap_pages is not None and len(self._pages) > self.cap_pages:
                 self._pages.popitem(last=False)
-
-    @property
-    def bytes_stored(self) -> int:
-        return len(self._pages) * self.page_bytes

@@ -3,11 +3,12 @@
 The tree records where each page lives (ShadowRadix, `host` shadow); this class
 decides what to copy and hands the copies to a Mover, which runs them off the
 scheduler's thread in submission order. Books change at submit time: a page
-filled in the tree may still be in flight, so every request records the newest
-ticket it depends on (`ready`) and the scheduler runs it only once that ticket
-is done. Reusing a page is safe because copies run in order: a page freed while
-a copy still reads it is only written by a later copy, or by a request whose
-`ready` covers the copy.
+filled in the tree may still be in flight. So each device page remembers the
+last copy that reads or writes it (`busy`), a request waits for the newest
+ticket among the device pages it will touch (`ready_ticket`), and the scheduler
+runs it only once that ticket is done. Reusing a page is safe: a page freed
+while a copy still reads it is written next either by a later copy (copies run
+in order) or by a request whose ready ticket covers that copy.
 
 Write policies (CacheConfig.write_policy):
     write_through            back up every page the tree adopts, at insert
@@ -18,7 +19,7 @@ Write policies (CacheConfig.write_policy):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +56,7 @@ class HostTier:
                      for name, pool in cache.pools.items()}
         if write_policy == "write_back":
             self.tree.spill = self._spill
+            cache.before_device_evict = self._make_room
 
     # ------------------------------------------------------------ load-back
     def load_need(self, match: MatchResult) -> dict[str, int]:
@@ -113,24 +115,22 @@ class HostTier:
                 self.cache.free(got, HOST)
             self.counts["backup_skipped"] += sum(need.values())
             return 0
-        self._copy_out(node, mask, got, path=True)
+        ids = self._copy_out(self.tree.path_table(node, DEVICE), mask, got)
+        self.tree.fill(node, ids, HOST)
         self.counts["backed_up"] += sum(need.values())
         return sum(need.values())
 
-    def _copy_out(self, node: Node, mask: np.ndarray, host: Mapping[str, np.ndarray],
-                  path: bool = False) -> np.ndarray:
-        """Submit device -> host copies of the `mask` cells of the node (of root..node,
-        filled into the tree here, when `path`); returns the host ids laid out like mask."""
+    def _copy_out(self, src: np.ndarray, mask: np.ndarray,
+                  host: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Submit device -> host copies of the `mask` cells of the device table `src` into
+        the given host pages; returns the host ids laid out like `mask`."""
         ids = np.full(mask.shape, -1, PAGE)
         copies: list[Copy] = []
-        src = self._path_table(node) if path else node.pages
         for row, name in enumerate(self.names):
             cells = mask[row]
             if np.count_nonzero(cells):
                 ids[row, cells] = host[name]
                 copies.append((name, DEVICE, src[row, cells], ids[row, cells]))
-        if path:
-            self.tree.fill(node, ids, HOST)
         self._submit(copies)
         return ids
 
@@ -151,26 +151,35 @@ class HostTier:
                 newest = max(newest, int(self.busy[name][ids].max()))
         return newest
 
-    def _path_table(self, node: Node) -> np.ndarray:
-        """Device page ids of root..node as one [pools, node.end_page] table."""
-        parts = []
-        walk: Node | None = node
-        while walk is not None and walk is not self.tree.root:
-            parts.append(walk.pages)
-            walk = walk.parent
-        if not parts:
-            return np.empty((len(self.names), 0), PAGE)
-        return np.concatenate(parts[::-1], axis=1)
+    # --------------------------------------------------------- from storage
+    def land(self, tokens: np.ndarray, start: int, stop: int,
+             write: Callable[[dict[str, np.ndarray]], None] | None = None) -> bool:
+        """Put pages [start, stop) of `tokens`, read from storage, on the host under the
+        tree's prefix (L3 -> L2); `write(pages)` fills the host pages, after the copies
+        already submitted. False, changing nothing, when the prefix no longer ends at
+        `start` or the host has no room."""
+        cache, ps = self.cache, self.cache.layout.page_size
+        peek = cache.match(tokens)
+        if peek.prefix_len // ps != start:
+            return False  # the tiers changed while storage answered
+        handle = cache.lock(peek)  # host eviction must not take the prefix we attach to
+        try:
+            got = cache.alloc({n: stop - start for n in self.names}, HOST)
+            if got is None:
+                return False
+            if write is not None:
+                self.mover.run(lambda: write(got))
+            cache.insert(tokens[:stop * ps], np.stack([got[n] for n in self.names]), start,
+                         tier=HOST)
+            return True
+        finally:
+            cache.unlock(handle)
 
     # ------------------------------------------------------------ write-back
-    def make_room(self, need: Mapping[str, int]) -> None:
-        """write_back: before a device allocation that may evict, free as many host pages
-        as the device may spill (the spill itself never evicts: it runs inside eviction)."""
-        if self.write_policy != "write_back":
-            return
-        short = max(need[name] - self.cache.pools[name].free_pages for name in need)
-        if short <= 0:
-            return
+    def _make_room(self, short: int) -> None:
+        """write_back, called by the cache before a device allocation evicts `short`
+        pages of some pool: free that many host pages per pool for what the eviction
+        will spill (the spill itself never evicts: it runs inside eviction)."""
         for name in self.names:
             lack = short - self.cache.host_pools[name].free_pages
             if lack > 0:
@@ -185,4 +194,4 @@ class HostTier:
             return np.full(want.shape, -1, PAGE)
         got = {name: pools[name].alloc(n) for name, n in need.items()}
         self.counts["spilled"] += sum(need.values())
-        return self._copy_out(node, want, got)
+        return self._copy_out(node.pages, want, got)

@@ -10,7 +10,7 @@ HostTier does (tiers/host_tier.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,9 @@ class PrefixCache:
                                      None if device is None else "cpu", pin_memory=cuda)
         self.evicted = {name: 0 for name in layout.pool_names}
         self.evicted_host = {name: 0 for name in layout.pool_names}
+        # Called with the largest per-pool shortfall before a device allocation evicts
+        # (write-back makes host room there for what the eviction will spill).
+        self.before_device_evict: Callable[[int], None] | None = None
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
 
     @property
@@ -98,6 +101,10 @@ class PrefixCache:
         count; then nothing is allocated (cached data may have been evicted).
         """
         pools = self.tier_pools(tier)
+        if tier == DEVICE and self.before_device_evict is not None:
+            short = max((n - pools[name].free_pages for name, n in need.items()), default=0)
+            if short > 0:
+                self.before_device_evict(short)
         for name, n in need.items():  # evicting one pool never shrinks another's free list
             short = n - pools[name].free_pages
             if short > 0:

@@ -77,11 +77,7 @@ class StorageTier:
         found = self.backend.batch_exists(self._keys(hashes, done, limit))
         whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.names)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
-        if stop == done:
-            return empty
-        ext = np.concatenate([table, np.zeros((len(self.names), stop - done), table.dtype)],
-                             axis=1)
-        q = self.rule.deepest(ext)
+        q = self.rule.deepest_after(table, stop - done)
         if q <= done:
             return empty
         blobs = self.backend.batch_get(self._keys(hashes, done, q))

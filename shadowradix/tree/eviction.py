@@ -68,8 +68,7 @@ class Eviction:
         row = self.layout.index(pool)
         if not 0 <= tier < self.tiers:
             raise ValueError(f"tier {tier}: this tree has {self.tiers} tier(s)")
-        freed: Freed = [[[] for _ in range(self.n_pools)]
-                                               for _ in range(self.tiers)]
+        freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
         got = 0
         if num_pages > 0:
             if row in self._loose[tier] and self.policy.tombstones:
@@ -157,13 +156,8 @@ class Eviction:
 
     def _drop_tier(self, node: Node, tier: int, freed: Freed) -> None:
         """Let every page of one tier of a node go; the node stays for the other tier."""
-        slot = node.slot(tier)
-        for row in range(self.n_pools):
-            pages = slot[row][slot[row] >= 0]
-            if pages.size:
-                freed[tier][row].append(pages)
-                self._held[tier][row] -= pages.size
-        slot[:] = -1
+        self._release_slot(node, tier, freed)
+        node.slot(tier)[:] = -1
         if node.parent is not None and node.parent is not self.root:
             self._leaves[tier].add(node.parent)
 
@@ -198,13 +192,8 @@ class Eviction:
 
     def _remove_leaf(self, node: Node, freed: Freed) -> None:
         assert not node.children and node.full_lock == 0 and node.parent is not None
-        for tier, slot in enumerate((node.pages,) if node.host is None else
-                                    (node.pages, node.host)):
-            for row in range(self.n_pools):
-                pages = slot[row][slot[row] >= 0]
-                if pages.size:
-                    freed[tier][row].append(pages)
-                    self._held[tier][row] -= pages.size
+        for tier in range(self.tiers):
+            self._release_slot(node, tier, freed)
         parent = node.parent
         del parent.children[node.key(self.page_size)]
         node.alive = False
@@ -214,6 +203,16 @@ class Eviction:
             for tier in range(self.tiers):
                 if self.tiers > 1 or not parent.children:
                     self._leaves[tier].add(parent)
+
+    def _release_slot(self, node: Node, tier: int, freed: Freed) -> None:
+        """Record every page of one tier of a node as let go (the caller clears or drops
+        the node)."""
+        slot = node.slot(tier)
+        for row in range(self.n_pools):
+            pages = slot[row][slot[row] >= 0]
+            if pages.size:
+                freed[tier][row].append(pages)
+                self._held[tier][row] -= pages.size
 
     def _count(self, mask: np.ndarray, step: int, tier: int = DEVICE) -> None:
         """Adjust the per-pool page counts by the set cells of `mask` [pools, n]."""

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shadowradix.tree.tier import DEVICE
+
 _ids = itertools.count()
 PAGE = np.int32  # physical page ids; -1 is a tombstone (or "not in this tier")
 
@@ -49,7 +51,7 @@ class Node:
 
     def slot(self, tier: int) -> np.ndarray:
         """The page ids of one tier: 0 the device, 1 the host."""
-        if tier == 0:
+        if tier == DEVICE:
             return self.pages
         assert self.host is not None, "this tree has no host tier"
         return self.host

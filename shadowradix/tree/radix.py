@@ -313,17 +313,15 @@ class ShadowRadix(Eviction):
         if not node.alive or table.shape != (self.n_pools, node.end_page):
             raise ValueError(f"fill needs a live node and a [{self.n_pools}, {node.end_page}] "
                              f"table, got {table.shape}")
-        path = []
-        walk: Node | None = node
-        while walk is not None and walk is not self.root:
+        given = []
+        for walk in self.path(node):
             seg = table[:, walk.start_page:walk.end_page]
             give = seg >= 0
             if np.count_nonzero(give):
                 if np.count_nonzero(walk.slot(tier)[give] >= 0):
                     raise ValueError(f"fill: node {walk.id} already holds some of these pages")
-                path.append((walk, seg, give))
-            walk = walk.parent
-        for walk, seg, give in path:
+                given.append((walk, seg, give))
+        for walk, seg, give in given:
             walk.slot(tier)[give] = seg[give]
             self._count(give, +1, tier)
             self._enqueue(walk)
@@ -334,13 +332,25 @@ class ShadowRadix(Eviction):
         least `min_hits` times."""
         out = np.zeros((self.n_pools, node.end_page), dtype=bool)
         other = self.tiers - 1 - tier
-        walk: Node | None = node
-        while walk is not None and walk is not self.root:
+        for walk in self.path(node):
             if walk.hits >= min_hits:
                 out[:, walk.start_page:walk.end_page] = (
                     (walk.slot(other) >= 0) & (walk.slot(tier) < 0))
-            walk = walk.parent
         return out
+
+    def path_table(self, node: Node, tier: int) -> np.ndarray:
+        """One tier's page ids along root..node, as a [pools, node.end_page] table."""
+        parts = [walk.slot(tier) for walk in self.path(node)]
+        return np.concatenate(parts, axis=1) if parts else np.empty((self.n_pools, 0), PAGE)
+
+    def path(self, node: Node) -> list[Node]:
+        """The nodes from the root's child down to `node` (empty for the root)."""
+        out = []
+        walk: Node | None = node
+        while walk is not None and walk is not self.root:
+            out.append(walk)
+            walk = walk.parent
+        return out[::-1]
 
     # --------------------------------------------------------------- helpers
     def _new_node(self, tokens: np.ndarray, pages: np.ndarray, parent: Node | None,

@@ -43,9 +43,11 @@ class MatchResult:
         return self.prefix_len if self.device_len is None else self.device_len
 
     @property
-    def host_pages(self) -> int:
-        """Logical pages whose resume needs a copy from the host."""
-        return 0 if self.load is None else int(np.count_nonzero(self.load.any(axis=0)))
+    def held_table(self) -> np.ndarray:
+        """[pools, P / page_size]: >= 0 where the device or the host holds the page."""
+        if self.host_table is None:
+            return self.page_table
+        return np.where(self.page_table >= 0, self.page_table, self.host_table)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,14 @@ class MatchRule:
         need[list(self.checkpoint_rows), q - 1] = True
         return need
 
+    def deepest_after(self, table: np.ndarray, extra: int) -> int:
+        """The deepest resume point when, past `table` [rows, m], pages [m, m + extra) are
+        held in every pool (what a store holds whole): never less than m."""
+        if extra <= 0:
+            return table.shape[1]
+        ext = np.concatenate([table, np.zeros((table.shape[0], extra), table.dtype)], axis=1)
+        return max(self.deepest(ext), table.shape[1])
+
     def resumable(self, pages: np.ndarray) -> np.ndarray:
         """ok[q] for q in 0..m, over a path's page table `pages` [rows, m]."""
         m = pages.shape[1]
