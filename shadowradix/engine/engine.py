@@ -4,55 +4,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from numbers import Integral
 from typing import Any
 
 import torch
 
+from shadowradix.engine.cache_control import CacheControl
 from shadowradix.engine.config import CacheConfig, SamplingParams
 from shadowradix.engine.request import Request, Result
 from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Scheduler
-from shadowradix.layout import deepseek_v4
+from shadowradix.engine.validation import check_batch, model_layout
 from shadowradix.model import DeepseekV4Runner, PagedStorage
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.mover import mover_for
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
-from shadowradix.tree.tier import DEVICE, HOST
-
-TIERS = ("device", "host", "storage")
-
-
-class CacheControl:
-    """`engine.cache`: operations on the cache tiers."""
-
-    def __init__(self, cache: PrefixCache, storage: StorageTier | None) -> None:
-        self._cache = cache
-        self._storage = storage
-
-    def flush(self, tiers: Sequence[str] = ("device",)) -> None:
-        """Drop every unlocked page from the named tiers ("device", "host", "storage").
-
-        "storage" deletes every object of this model's layout from the store, including
-        those other engines sharing it wrote. Raises ValueError on an unknown name, or
-        on a tier this engine does not have.
-        """
-        bad = [t for t in tiers if t not in TIERS]
-        if bad:
-            raise ValueError(f"cannot flush tiers {bad}; use names from {TIERS}")
-        if "host" in tiers and not self._cache.has_host:
-            raise ValueError("this engine has no host tier (CacheConfig.host_tokens = 0)")
-        if "storage" in tiers and self._storage is None:
-            raise ValueError("this engine has no storage tier (CacheConfig.storage = None)")
-        if "device" in tiers:
-            self._cache.flush(DEVICE)
-        if "host" in tiers:
-            self._cache.flush(HOST)
-        if "storage" in tiers:
-            assert self._storage is not None
-            self._storage.clear()
 
 
 class Engine:
@@ -64,12 +31,9 @@ class Engine:
     """
 
     def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512) -> None:
+        self.layout = model_layout(hf_model, config.page_size)
         cfg = hf_model.config
-        if getattr(cfg, "model_type", None) != "deepseek_v4":
-            raise ValueError(f"expected a DeepSeek-V4 model, got {getattr(cfg, 'model_type', cfg)}")
-        dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
-        self.layout = deepseek_v4(cfg, config.page_size, str(dtype).removeprefix("torch."))
         self.config = config
         self.vocab_size = int(cfg.vocab_size)
         eos = cfg.eos_token_id
@@ -118,7 +82,7 @@ class Engine:
                  return_logits: bool = False) -> list[Result]:
         if self._closed:
             raise RuntimeError("engine is closed")
-        plist = self._check(prompts, params)
+        plist = check_batch(prompts, params, self.vocab_size)
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
@@ -198,32 +162,6 @@ class Engine:
         return Result(req.outputs, logits, req.cached,
                       {"device": req.cached - req.from_host - req.from_storage,
                        "host": req.from_host, "storage": req.from_storage})
-
-    def _check(self, prompts: Sequence[Sequence[int]],
-               params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of token id lists")
-        if not prompts:
-            raise ValueError("prompts is empty")
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence | torch.Tensor):
-                raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt)}")
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            for t in prompt:
-                if isinstance(t, bool) or not isinstance(t, Integral | torch.Tensor):
-                    raise ValueError(f"prompt {i}: token {t!r} is not an integer id")
-                if not 0 <= int(t) < self.vocab_size:
-                    raise ValueError(f"prompt {i}: token id {int(t)} is outside the vocabulary "
-                                     f"[0, {self.vocab_size})")
-        if params is None:
-            return [SamplingParams()] * len(prompts)
-        if isinstance(params, SamplingParams):
-            return [params] * len(prompts)
-        plist = list(params)
-        if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
-            raise ValueError("params must be one SamplingParams or one per prompt")
-        return plist
 
     # ---------------------------------------------------------------- status
     def stats(self) -> dict[str, Any]:
