@@ -101,6 +101,9 @@ def test_decode_reads_only_top_k_c4_entries_at_any_context(model, monkeypatch):
     ([CSA, HCA, CSA], 8, 16),      # no pure sliding-window layer
     ([SWA, CSA, HCA], 24, 16),     # window larger than a page
     ([HCA, CSA, SWA, CSA], 8, 32),
+    ([SWA, SWA], 8, 16),           # no compressed layer: no state pool
+    ([HCA, HCA], 8, 16),
+    ([HCA, SWA], 24, 32),
 ])
 def test_layer_mixes_windows_and_page_sizes(layer_types, window, page_size):
     mdl = tiny_model(layer_types, window=window, seed=3)

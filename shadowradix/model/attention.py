@@ -177,8 +177,13 @@ def _snapshot(store: PagedStorage, req: RequestKV, layer: int, w0: int, ratio: i
 def resume_states(store: PagedStorage, req: RequestKV, layer_types: list[str],
                   modules: list[Any], resume_pages: int,
                   like: torch.Tensor) -> None:
-    """Load each CSA layer's overlap from the checkpoint at page `resume_pages`."""
-    if resume_pages == 0:
+    """Load each CSA layer's overlap from the checkpoint at page `resume_pages`.
+
+    Page ends are multiples of every compression ratio, so unfinished windows are
+    empty there: HCA and sliding-window layers resume with nothing to load, and a
+    model without CSA layers has no state pool at all.
+    """
+    if resume_pages == 0 or CSA not in layer_types:
         return
     page = int(req.page_tables["state"][resume_pages - 1])  # read once, not per layer
     for layer, kind in enumerate(layer_types):
