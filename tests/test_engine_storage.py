@@ -80,9 +80,9 @@ def test_corrupt_or_truncated_objects_mean_recompute(model, tmp_path):
 
 def test_unwritable_store_keeps_requests_exact(model, tmp_path):
     blocker = tmp_path / "not-a-dir"
-    blocker.write_text("x")
+    blocker.write_text("x")  # the store's directory cannot be created under it
     eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048,
-                                            storage=f"file://{blocker}"))
+                                            storage=f"file://{blocker}/store"))
     prompt = rand_tokens(50, 42)
     check(model, prompt, eng.generate([prompt], P, return_logits=True)[0])
     eng.storage.drain()  # write-through runs on the storage thread

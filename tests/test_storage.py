@@ -1,5 +1,7 @@
 """L3 storage: keys, self-checking objects, the file backend and its faults."""
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from shadowradix.tiers.storage import (
     open_storage,
     page_hashes,
 )
+from shadowradix.tiers.storage.file import STALE_TMP_S
 
 
 def test_page_hashes_chain_over_the_whole_prefix():
@@ -34,24 +37,29 @@ def test_page_hashes_chain_over_the_whole_prefix():
     assert page_hashes(a[:70 - 6], 16) == ha  # partial pages get no key
 
 
-def test_namespace_fingerprints_the_layout():
-    assert namespace(deepseek_v4_flash()) == namespace(deepseek_v4_flash())
-    assert namespace(deepseek_v4_flash()) != namespace(deepseek_v4_pro())
-    assert namespace(deepseek_v4_flash()) != namespace(deepseek_v4_flash(page_size=512))
-    assert namespace(deepseek_v4_flash()) != namespace(deepseek_v4_flash(dtype="float32"))
+def test_namespace_fingerprints_the_layout_and_the_model():
+    ns = lambda layout, model="m0": namespace(layout, model)  # noqa: E731
+    assert ns(deepseek_v4_flash()) == ns(deepseek_v4_flash())
+    assert ns(deepseek_v4_flash()) != ns(deepseek_v4_pro())
+    assert ns(deepseek_v4_flash()) != ns(deepseek_v4_flash(page_size=512))
+    assert ns(deepseek_v4_flash()) != ns(deepseek_v4_flash(dtype="float32"))
+    assert ns(deepseek_v4_flash()) != ns(deepseek_v4_flash(), "m1")  # other weights
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        namespace(deepseek_v4_flash(), "")
 
 
 def test_codec_detects_corruption_and_truncation():
-    blob = encode(b"kv bytes" * 10)
-    assert decode(blob) == b"kv bytes" * 10
+    k = "ns/c4/" + "ab" * 16
+    blob = encode(k, b"kv bytes" * 10)
+    assert decode(k, blob) == b"kv bytes" * 10
     flipped = bytearray(blob)
     flipped[-3] ^= 1
     with pytest.raises(CorruptObject, match="checksum"):
-        decode(bytes(flipped))
+        decode(k, bytes(flipped))
     with pytest.raises(CorruptObject, match="truncated"):
-        decode(blob[:-5])
+        decode(k, blob[:-5])
     with pytest.raises(CorruptObject, match="magic"):
-        decode(b"junk")
+        decode(k, b"junk")
 
 
 def key(i: int, pool: str = "c4") -> str:
@@ -82,16 +90,16 @@ def test_a_corrupted_or_truncated_object_is_a_miss_and_is_removed(tmp_path):
 
 
 def test_an_unwritable_store_fails_writes_without_raising(tmp_path):
-    root = tmp_path / "store"
-    root.write_text("a file where the directory should be")
-    fs = FileBackend(root)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory should be")
+    fs = FileBackend(blocker / "store")
     assert fs.batch_set([(key(1), b"x")]) == [False]
     assert fs.batch_get([key(1)]) == [None]
     assert fs.errors["write"] == 1
 
 
 def test_the_cap_evicts_least_recently_used_first(tmp_path):
-    size = len(encode(b"x" * 100))
+    size = len(encode(key(0), b"x" * 100))
     fs = FileBackend(tmp_path, cap_bytes=3 * size)
     for i in range(3):
         fs.batch_set([(key(i), b"x" * 100)])
@@ -99,16 +107,26 @@ def test_the_cap_evicts_least_recently_used_first(tmp_path):
     fs.batch_set([(key(3), b"x" * 100)])
     assert fs.batch_exists([key(i) for i in range(4)]) == [True, False, True, True]
     assert fs.bytes_stored <= 3 * size
-    assert sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file()) <= 3 * size
+    assert sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file()
+               and p.name != ".shadowradix-bytes") <= 3 * size
 
 
-def test_leftover_temporary_files_are_swept_and_never_read(tmp_path):
+def test_stale_temporary_files_of_ours_are_swept_young_ones_kept(tmp_path):
+    """A crashed writer's temporary file goes on a later open; a young one may be another
+    process's write in flight, and a file not named as ours is never touched."""
     fs = FileBackend(tmp_path)
     fs.batch_set([(key(1), b"ok")])
-    stray = Path(fs._path(key(1))).parent / "half-written.tmp"
-    stray.write_bytes(b"SRK1 partial")
+    digest = Path(fs._path(key(1))).name
+    stale = Path(fs._path(key(1))).parent / f"{digest}.abc123_x.srtmp"
+    young = Path(fs._path(key(1))).parent / f"{digest}.zzz999_y.srtmp"
+    theirs = Path(fs._path(key(1))).parent / "half-written.tmp"
+    for p in (stale, young, theirs):
+        p.write_bytes(b"SRK2 partial")
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    os.utime(theirs, (old, old))
     FileBackend(tmp_path)
-    assert not stray.exists()
+    assert not stale.exists() and young.exists() and theirs.exists()
 
 
 def test_bad_urls_are_refused():
@@ -130,7 +148,7 @@ def test_file_backend_behaves_like_a_dict(tmp_path_factory, ops):
             model[key(i)] = payload
         else:
             assert fs.batch_get([key(i)]) == [model.get(key(i))]
-    assert fs.bytes_stored == sum(len(encode(v)) for v in model.values())
+    assert fs.bytes_stored == sum(len(encode(k, v)) for k, v in model.items())
 
 
 @pytest.fixture
@@ -169,7 +187,8 @@ def test_redis_killed_mid_run_means_misses_not_exceptions(redis_server):
     assert rs.batch_get([key(1)]) == [None]
     assert rs.batch_set([(key(2), b"y")]) == [False]
     assert rs.batch_exists([key(1)]) == [False]
-    assert rs.errors["unreachable"] == 3
+    # The first failure opens the breaker: the calls after it do not try the server.
+    assert rs.errors["unreachable"] == 1 and rs.errors["skipped"] == 2
     rs.close()
 
 

@@ -18,13 +18,18 @@ class CacheControl:
         self._cache = cache
         self._storage = storage
 
-    def flush(self, tiers: Sequence[str] = ("device",)) -> None:
-        """Drop every unlocked page from the named tiers ("device", "host", "storage").
+    def flush(self, tiers: str | Sequence[str] = ("device",)) -> None:
+        """Drop every unlocked page from the named tiers ("device", "host", "storage"; a
+        bare name is one tier).
 
-        "storage" deletes every object of this model's layout from the store, including
-        those other engines sharing it wrote. Raises ValueError on an unknown name, or
-        on a tier this engine does not have.
+        "storage" deletes every object of this model (its layout and weights) from the
+        store, including those other engines sharing it wrote. Raises ValueError on an
+        unknown name, or on a tier this engine does not have, before flushing anything;
+        StorageUnavailable (a RuntimeError) if the store did not answer, so objects may
+        remain (the other tiers named are flushed first).
         """
+        if isinstance(tiers, str):
+            tiers = (tiers,)
         bad = [t for t in tiers if t not in TIERS]
         if bad:
             raise ValueError(f"cannot flush tiers {bad}; use names from {TIERS}")

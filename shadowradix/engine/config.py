@@ -24,6 +24,13 @@ class CacheConfig:
     storage_cap_bytes: for file://, the directory's size cap (least recently used
         objects go first); None: no cap. Redis caps itself (maxmemory).
     hisparse_buffer: HiSparse (not built yet: None).
+    window_tokens: the sliding-window pool's size in tokens, set apart from
+        `device_tokens` (None: the same). A running request keeps only its window and
+        resume pages there, so a window pool several times smaller than the sequences
+        it serves is enough; the rest of it caches windows for later hits.
+    debug_poison: fill every page with NaN when it is handed out, so a read of a page
+        the reader no longer owns (or of one whose copy has not landed) shows in the
+        logits. For tests; costs a write per allocated page.
     """
 
     page_size: int = 256
@@ -34,6 +41,8 @@ class CacheConfig:
     storage: str | None = None
     storage_cap_bytes: int | None = None
     hisparse_buffer: int | None = None
+    window_tokens: int | None = None
+    debug_poison: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -51,17 +60,28 @@ class CacheConfig:
         if not isinstance(self.write_hit_threshold, int) or self.write_hit_threshold < 1:
             raise ValueError(f"write_hit_threshold must be an int >= 1, "
                              f"got {self.write_hit_threshold!r}")
-        if self.storage is not None and not self.storage.startswith(
-                ("file://", "redis://", "rediss://")):
-            raise ValueError(f"storage must be None, 'file:///DIR' or 'redis://HOST:PORT/DB', "
-                             f"got {self.storage!r}")
+        if self.storage is not None and (not isinstance(self.storage, str) or not
+                                         self.storage.startswith(("file://", "redis://",
+                                                                  "rediss://"))):
+            hint = (f"; for a directory use storage=f'file://{self.storage}'"
+                    if hasattr(self.storage, "__fspath__") else "")  # a pathlib.Path
+            raise ValueError(f"storage must be None or a URL string, 'file:///DIR' or "
+                             f"'redis://HOST:PORT/DB', got {self.storage!r}{hint}")
         if self.storage_cap_bytes is not None and (
-                not isinstance(self.storage_cap_bytes, int) or self.storage_cap_bytes < 1
+                not isinstance(self.storage_cap_bytes, int)
+                or isinstance(self.storage_cap_bytes, bool) or self.storage_cap_bytes < 1
                 or self.storage is None or not self.storage.startswith("file://")):
             raise ValueError(f"storage_cap_bytes must be an int >= 1 with file:// storage, "
                              f"got {self.storage_cap_bytes!r} for {self.storage!r}")
         if self.hisparse_buffer is not None:
             raise ValueError("hisparse_buffer: HiSparse is not available yet; use None")
+        if self.window_tokens is not None and (
+                isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int)
+                or self.window_tokens < self.page_size or self.window_tokens % self.page_size):
+            raise ValueError(f"window_tokens must be None or a multiple of page_size "
+                             f"({self.page_size}), got {self.window_tokens!r}")
+        if not isinstance(self.debug_poison, bool):
+            raise ValueError(f"debug_poison must be a bool, got {self.debug_poison!r}")
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,10 @@ class Engine:
         self.runner = DeepseekV4Runner(hf_model.eval())
         self.storage = None
         if config.storage is not None:
+            from shadowradix.model.fingerprint import model_fingerprint
+
             self.storage = StorageTier(open_storage(config.storage, config.storage_cap_bytes),
-                                       self._prefix)
+                                       self._prefix, model_fingerprint(hf_model))
         self.host = None
         if host_pages is not None:
             self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),

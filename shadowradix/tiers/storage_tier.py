@@ -1,7 +1,8 @@
 """L3: write-through of computed pages, and prefetch of what the tiers above lack.
 
 A page is stored as one object per pool, keyed by the chained hash of its tokens
-(so a key names its whole prefix), in the layout's namespace. A request may resume
+(so a key names its whole prefix), in a namespace of the layout and the model's
+fingerprint (config and weights), so engines of other models never read it. A request may resume
 from storage at page boundary Q only under the same match rule as the tree, and
 only if every pool's object for every page it loads arrived intact; anything else
 (missing, corrupt, unreachable) is a miss and the pages are recomputed.
@@ -14,6 +15,7 @@ request that waits for its read, never the running batch.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,16 +45,20 @@ class Fetched:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, cache: PrefixCache) -> None:
+    def __init__(self, backend: StorageBackend, cache: PrefixCache,
+                 model_fingerprint: str) -> None:
+        """`model_fingerprint` names the model's config and weights
+        (shadowradix.model.fingerprint.model_fingerprint); ValueError if empty."""
         self.backend = backend
         self.names = cache.layout.pool_names
         self.page_size = cache.layout.page_size
-        self.namespace = namespace(cache.layout)
+        self.namespace = namespace(cache.layout, model_fingerprint)
         self.rule = cache.tree.rule
         # Bytes of one page of each pool: [layers, entries_per_page, *entry].
         self.page_bytes = cache.layout.page_bytes()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.faults: Counter[str] = Counter()  # faults seen here, not in the backend
         # The backend is only ever called from this one thread, in submission order.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage")
 
@@ -81,11 +87,16 @@ class StorageTier:
         if q <= done:
             return empty
         blobs = self.backend.batch_get(self._keys(hashes, done, q))
+        intact: list[bytes] = []
         for i, blob in enumerate(blobs):
-            if blob is None or len(blob) != self.page_bytes[self.names[i % len(self.names)]]:
-                return empty  # missing or the wrong size: a miss (checksums failed inside)
-        self.bytes_read += sum(len(b) for b in blobs if b is not None)
-        return Fetched(done, q, [b for b in blobs if b is not None])
+            if blob is None:
+                return empty  # missing, or refused by its checksum or key (counted inside)
+            if len(blob) != self.page_bytes[self.names[i % len(self.names)]]:
+                self.faults["wrong_size"] += 1  # intact, but not a page of this layout
+                return empty
+            intact.append(blob)
+        self.bytes_read += sum(len(b) for b in intact)
+        return Fetched(done, q, intact)
 
     def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
               tensor: Callable[[str], Any]) -> None:
@@ -131,12 +142,18 @@ class StorageTier:
         self._thread.submit(lambda: None).result()
 
     def clear(self) -> int:
-        """Delete this layout's objects from the store (after the writes in flight)."""
+        """Delete this namespace's objects from the store (after the writes in flight).
+        Raises StorageUnavailable (a RuntimeError) if the store did not finish."""
         return self._thread.submit(self.backend.clear, self.namespace).result()
 
     @property
+    def error_counts(self) -> Counter[str]:
+        """Every storage fault so far, by kind (the backend's and this tier's)."""
+        return self.backend.errors + self.faults
+
+    @property
     def errors(self) -> int:
-        return sum(self.backend.errors.values())
+        return sum(self.backend.errors.values()) + sum(self.faults.values())
 
     def close(self) -> None:
         """Wait for the prefetches in flight, then close the backend."""

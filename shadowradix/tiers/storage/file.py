@@ -1,75 +1,90 @@
 """`file://DIR`: the embedded L3 default. One file per object, atomic writes, a size cap.
 
-Writes go to a temporary file in the same directory and are renamed into place, so a
-reader never sees half an object (a crash leaves only a `.tmp` file, swept on open).
-An in-memory LRU index (seeded from file mtimes on open) decides what goes when the
-directory grows past `cap_bytes`: least recently used objects first.
+The directory may hold other things: the store only ever creates, reads and deletes
+its own files, which are the objects `NS/POOL/XX/<32 hex digits>` (XX: the digest's
+first two digits), their temporary files `<digest>.<random>.srtmp` beside them, and
+the shared size account `.shadowradix-bytes` (see account.py).
+
+Writes go to a temporary file and are renamed into place, so a reader never sees half
+an object; a crash leaves a temporary file, swept on a later open once it is older
+than STALE_TMP_S (a younger one may be another process's write in flight).
+
+The cap holds across processes sharing the directory: every change is counted in the
+shared account under its lock, and a write that takes the store past the cap deletes
+objects, least recently used first in this process's view (seeded from file mtimes on
+open, then its own reads and writes), until it fits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from shadowradix.tiers.storage.backend import StorageBackend
-from shadowradix.tiers.storage.codec import CorruptObject, decode, encode
+from shadowradix.tiers.storage.account import SizeAccount, Tally
+from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
+from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode, encode
+from shadowradix.tiers.storage.keys import DIGEST, NAME, split_key
+
+TMP_SUFFIX = ".srtmp"
+STALE_TMP_S = 600.0
+_FAN = re.compile(r"[0-9a-f]{2}")
+_TMP = re.compile(r"[0-9a-f]{32}\.[A-Za-z0-9_]+" + re.escape(TMP_SUFFIX))
 
 
 class FileBackend(StorageBackend):
     """Paths are plain strings on the hot path: building pathlib objects cost more than
-    reading a 64 KiB object from the page cache."""
+    reading a 64 KiB object from the page cache.
+
+    Raises ValueError if `root` is an existing regular file or `cap_bytes` < 1; any
+    other trouble with the directory is counted and answered with misses."""
 
     def __init__(self, root: str | Path, cap_bytes: int | None = None) -> None:
         super().__init__()
-        if cap_bytes is not None and cap_bytes < 1:
-            raise ValueError(f"cap_bytes must be >= 1 or None, got {cap_bytes}")
+        if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 1):
+            raise ValueError(f"cap_bytes must be an int >= 1 or None, got {cap_bytes!r}")
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"file:// storage {str(root)!r} is an existing file, not a "
+                             f"directory; name a directory (it is created if missing)")
         self._root = str(self.root)
         self.cap_bytes = cap_bytes
+        self._account = SizeAccount(self._root)
         self._lru: OrderedDict[str, int] = OrderedDict()  # path -> size, oldest first
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            found = []
-            for dirpath, _, files in os.walk(self._root):
-                for name in files:
-                    path = os.path.join(dirpath, name)
-                    if name.endswith(".tmp"):
-                        os.unlink(path)
-                    else:
-                        st = os.stat(path)
-                        found.append((st.st_mtime_ns, path, st.st_size))
-            for _, path, size in sorted(found):
-                self._lru[path] = size
+            with self._account.locked() as tally:
+                self._rescan(tally, sweep=True)
         except OSError:
             self.errors["open"] += 1  # unusable now; every call below answers with misses
-        self._bytes = sum(self._lru.values())
 
     def _path(self, key: str) -> str:
-        ns, pool, digest = key.split("/")
+        ns, pool, digest = split_key(key)
         return os.path.join(self._root, ns, pool, digest[:2], digest)
 
+    # -------------------------------------------------------------- reads
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.isfile(self._path(k)) for k in keys]
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
-        lru = self._lru
         for key in keys:
             path = self._path(key)
             try:
                 with open(path, "rb") as f:
                     blob = f.read()
-                out.append(decode(blob))
-                if path in lru:
-                    lru.move_to_end(path)
+                out.append(decode(key, blob))
+                self._lru[path] = len(blob)  # another process's object joins our view
+                self._lru.move_to_end(path)
             except FileNotFoundError:
                 out.append(None)
-            except CorruptObject:
-                self.errors["corrupt"] += 1
+            except CorruptObject as e:
+                self.errors["wrong_key" if isinstance(e, WrongKey) else "corrupt"] += 1
                 self._drop(path)
                 out.append(None)
             except OSError:
@@ -77,61 +92,179 @@ class FileBackend(StorageBackend):
                 out.append(None)
         return out
 
+    # ------------------------------------------------------------- writes
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        done = []
-        for key, payload in items:
-            path = self._path(key)
-            blob = encode(payload)
-            try:
-                parent = os.path.dirname(path)
-                os.makedirs(parent, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=parent, suffix=".tmp")
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(blob)
-                    os.replace(tmp, path)
-                except OSError:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    raise
-                self._bytes += len(blob) - self._lru.pop(path, 0)
-                self._lru[path] = len(blob)
-                done.append(True)
-            except OSError:
-                self.errors["write"] += 1
-                done.append(False)
-        if self.cap_bytes is not None and self._bytes > self.cap_bytes:
-            self._shrink(self.cap_bytes)
+        staged = [self._stage(key, payload) for key, payload in items]
+        done = [False] * len(items)
+        try:
+            with self._account.locked() as tally:
+                for i, (tmp, (key, _)) in enumerate(zip(staged, items, strict=True)):
+                    if tmp is not None:
+                        done[i] = self._commit(tmp, self._path(key), tally)
+                if self.cap_bytes is not None and tally.total > self.cap_bytes:
+                    self._shrink(tally, self.cap_bytes)
+        except OSError:  # the account (so the directory) is unusable
+            self.errors["write"] += sum(tmp is not None for tmp in staged)
+            for tmp in staged:
+                if tmp is not None:
+                    _unlink_quietly(tmp)
+            return [False] * len(items)
         return done
 
-    def clear(self, namespace: str) -> int:
-        base = os.path.join(self._root, namespace) + os.sep
-        gone = [path for path in self._lru if path.startswith(base)]
-        for path in gone:
-            self._drop(path)
-        for dirpath, _, files in os.walk(base):  # objects another process wrote meanwhile
-            for name in files:
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    gone.append(name)
-                except OSError:
-                    self.errors["cleanup"] += 1
-        return len(gone)
+    def _stage(self, key: str, payload: bytes) -> str | None:
+        """The object written to a temporary file beside its place; None if that failed."""
+        path = self._path(key)
+        parent, digest = os.path.split(path)
+        tmp = None
+        try:
+            os.makedirs(parent, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=parent, prefix=digest + ".", suffix=TMP_SUFFIX)
+            with os.fdopen(fd, "wb") as f:
+                f.write(encode(key, payload))
+            return tmp
+        except OSError:
+            self.errors["write"] += 1
+            if tmp is not None:
+                _unlink_quietly(tmp)
+            return None
 
-    def _shrink(self, cap: int) -> None:
-        """Delete least recently used objects until the directory fits in `cap`."""
-        while self._bytes > cap and self._lru:
-            self._drop(next(iter(self._lru)))
+    def _commit(self, tmp: str, path: str, tally: Tally) -> bool:
+        """Rename into place (account locked), counting the bytes it adds."""
+        try:
+            size = os.stat(tmp).st_size
+            old = _size_or_zero(path)
+            os.replace(tmp, path)
+        except OSError:
+            self.errors["write"] += 1
+            _unlink_quietly(tmp)
+            return False
+        tally.total += size - old
+        self._lru.pop(path, None)
+        self._lru[path] = size
+        return True
+
+    # ------------------------------------------------------------ deletes
+    def clear(self, namespace: str) -> int:
+        if not NAME.fullmatch(namespace):
+            raise ValueError(f"{namespace!r} is not a storage namespace")
+        gone, failed = 0, 0
+        try:
+            with self._account.locked() as tally:
+                for path in self._own_files(os.path.join(self._root, namespace), temps=False):
+                    self._lru.pop(path, None)
+                    try:
+                        size = _size_or_zero(path)
+                        os.unlink(path)
+                        tally.total -= size
+                        gone += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        failed += 1
+        except OSError as e:
+            raise StorageUnavailable(f"cannot clear {self._root!r}: {e}") from None
+        if failed:
+            self.errors["cleanup"] += failed
+            raise StorageUnavailable(f"{failed} objects of {namespace} in {self._root!r} "
+                                     f"could not be deleted; {gone} were")
+        return gone
+
+    def _shrink(self, tally: Tally, cap: int) -> None:
+        """Delete least recently used objects until the store fits in `cap`; if this
+        process knows too few, rescan the directory once for the others' objects."""
+        rescanned = False
+        while tally.total > cap:
+            if not self._lru:
+                if rescanned:
+                    return
+                self._rescan(tally, sweep=False)
+                rescanned = True
+                continue
+            path, _ = self._lru.popitem(last=False)
+            tally.total -= _unlink_counted(path, self.errors)
 
     def _drop(self, path: str) -> None:
-        self._bytes -= self._lru.pop(path, 0)
+        """Delete one bad object, keeping the account right."""
+        self._lru.pop(path, None)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            with self._account.locked() as tally:
+                tally.total -= _unlink_counted(path, self.errors)
         except OSError:
             self.errors["cleanup"] += 1
 
+    # ------------------------------------------------------------ listing
+    def _rescan(self, tally: Tally, sweep: bool) -> None:
+        """Set the LRU (by mtime) and the account from the objects on disk; with `sweep`,
+        delete temporary files older than STALE_TMP_S (left by a crashed writer)."""
+        found = []
+        stale = time.time() - STALE_TMP_S
+        for path in self._own_files(self._root, temps=sweep):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:  # a failed write's temporary file, just removed
+                continue
+            if path.endswith(TMP_SUFFIX):
+                if st.st_mtime < stale:
+                    _unlink_quietly(path)
+            else:
+                found.append((st.st_mtime_ns, path, st.st_size))
+        self._lru = OrderedDict((path, size) for _, path, size in sorted(found))
+        tally.total = sum(self._lru.values())
+
+    def _own_files(self, top: str, temps: bool) -> Iterator[str]:
+        """This store's files under `top` (the root, or one namespace directory): only
+        paths shaped NS/POOL/XX/<digest> (and, with `temps`, its temporary files)."""
+        levels = [NAME, NAME, _FAN] if top == self._root else [NAME, _FAN]
+        dirs = [top]
+        for pattern in levels:
+            dirs = [d for parent in dirs for d in _subdirs(parent, pattern)]
+        for fan in dirs:
+            prefix = os.path.basename(fan)
+            with contextlib.suppress(FileNotFoundError), os.scandir(fan) as it:
+                for entry in it:
+                    name = entry.name
+                    ours = (DIGEST.fullmatch(name) and name.startswith(prefix)) or (
+                        temps and _TMP.fullmatch(name))
+                    if ours and entry.is_file(follow_symlinks=False):
+                        yield entry.path
+
     @property
     def bytes_stored(self) -> int:
-        return self._bytes
+        """The store's bytes, every process's objects counted (from the shared account)."""
+        with self._account.locked() as tally:
+            return tally.total
+
+
+def _subdirs(parent: str, pattern: re.Pattern[str]) -> list[str]:
+    """Subdirectories of `parent` whose names fit `pattern` (symlinks not followed)."""
+    try:
+        with os.scandir(parent) as it:
+            return [e.path for e in it
+                    if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _size_or_zero(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink_counted(path: str, errors: dict[str, int]) -> int:
+    """Delete `path`; the bytes freed (0 if another process deleted it first)."""
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+        return size
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        errors["cleanup"] += 1
+        return 0
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

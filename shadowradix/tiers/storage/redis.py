@@ -1,75 +1,133 @@
 """`redis://host:port/db`: Redis or Valkey through redis-py (hiredis parser when present).
 
-Batches are pipelined (one round trip per call). Short socket timeouts keep a dead or
-slow server from stalling the engine: a timeout is a miss, counted in `errors`.
+Batches are pipelined (one round trip per call). A short socket timeout bounds each
+call, and a circuit breaker keeps a dead or stalled server from costing one timeout per
+call: after a timeout every call answers at once (misses, failed writes, counted as
+"skipped") until the back-off ends and one call probes the server again.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from shadowradix.tiers.storage.backend import StorageBackend
-from shadowradix.tiers.storage.codec import CorruptObject, decode, encode
+from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
+from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode, encode
+
+log = logging.getLogger("shadowradix.storage")
+T = TypeVar("T")
 
 
 class RedisBackend(StorageBackend):
-    def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None) -> None:
+    """Raises ValueError at construction if the server refuses our credentials; an
+    unreachable server is only logged and counted (it may come up later)."""
+
+    def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
+                 backoff_s: float = 5.0) -> None:
         super().__init__()
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
+        self._unreachable: tuple[type[BaseException], ...] = (
+            redis.ConnectionError, redis.TimeoutError, OSError)
         self._errors_types: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self.ttl_s = ttl_s
+        self.breaker = CircuitBreaker(backoff_s)
+        # No retries inside redis-py: one bounded wait per call, then the breaker decides.
         self._client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                                 socket_connect_timeout=timeout_s)
+                                                 socket_connect_timeout=timeout_s,
+                                                 retry=Retry(NoBackoff(), 0))
+        self._ping(url, redis)
+
+    def _ping(self, url: str, redis: Any) -> None:
+        try:
+            self._client.ping()
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
+            self._client.close()
+            raise ValueError(f"the server at {_redact(url)} refused the credentials ({e}); "
+                             f"put the right password in the URL: "
+                             f"redis://:PASSWORD@HOST:PORT/DB") from None
+        except redis.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                self._client.close()
+                raise ValueError(f"the server at {_redact(url)} needs a password ({e}); use "
+                                 f"redis://:PASSWORD@HOST:PORT/DB") from None
+            raise
+        except self._unreachable as e:
+            self.errors["unreachable"] += 1
+            self.breaker.failed()
+            log.warning("storage %s unreachable at open (%s); reads miss and writes fail "
+                        "until it answers", _redact(url), e)
+
+    def _guarded(self, call: Callable[[], T], miss: T) -> T:
+        """`call()`, or `miss` at once while the breaker is open or when the call fails."""
+        if not self.breaker.allow():
+            self.errors["skipped"] += 1
+            return miss
+        try:
+            out = call()
+        except self._unreachable as e:
+            self.errors["unreachable"] += 1
+            if not self.breaker.is_open:
+                log.warning("storage unreachable (%s); skipping it for %.0f s", e,
+                            self.breaker.backoff_s)
+            self.breaker.failed()
+            return miss
+        except self._errors_types as e:  # the server answered with an error (e.g. OOM)
+            self.errors["server"] += 1
+            log.warning("storage error: %s", e)
+            self.breaker.succeeded()
+            return miss
+        self.breaker.succeeded()
+        return out
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        try:
+
+        def call() -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(k)
             return [bool(n) for n in pipe.execute()]
-        except self._errors_types:
-            self.errors["unreachable"] += 1
-            return [False] * len(keys)
+        return self._guarded(call, [False] * len(keys))
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
+        blobs: list[Any] = self._guarded(lambda: self._client.mget(list(keys)),
+                                         [None] * len(keys))
+        return [None if blob is None else self._decode(k, blob)
+                for k, blob in zip(keys, blobs, strict=True)]
+
+    def _decode(self, key: str, blob: bytes) -> bytes | None:
         try:
-            blobs = self._client.mget(list(keys))
-        except self._errors_types:
-            self.errors["unreachable"] += 1
-            return [None] * len(keys)
-        out: list[bytes | None] = []
-        for blob in blobs:
-            if blob is None:
-                out.append(None)
-                continue
-            try:
-                out.append(decode(blob))
-            except CorruptObject:
-                self.errors["corrupt"] += 1
-                out.append(None)
-        return out
+            return decode(key, blob)
+        except WrongKey:
+            self.errors["wrong_key"] += 1
+        except CorruptObject:
+            self.errors["corrupt"] += 1
+        return None
 
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         if not items:
             return []
-        try:
+
+        def call() -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
             for k, payload in items:
-                pipe.set(k, encode(payload), ex=self.ttl_s)
+                pipe.set(k, encode(k, payload), ex=self.ttl_s)
             return [bool(ok) for ok in pipe.execute()]
-        except self._errors_types:
-            self.errors["unreachable"] += 1
-            return [False] * len(items)
+        return self._guarded(call, [False] * len(items))
 
     def clear(self, namespace: str) -> int:
-        """SCAN for the namespace's keys and delete them in pipelined batches."""
+        """SCAN for the namespace's keys and delete them in pipelined batches. Tries even
+        while the breaker is open (an explicit request deserves a real answer); raises
+        StorageUnavailable if the server did not answer."""
         gone = 0
         try:
             batch: list[Any] = []
@@ -80,10 +138,22 @@ class RedisBackend(StorageBackend):
                     batch = []
             if batch:
                 gone += int(self._client.delete(*batch))
-        except self._errors_types:
+        except self._errors_types as e:
             self.errors["unreachable"] += 1
+            self.breaker.failed()
+            raise StorageUnavailable(f"the store did not answer ({e}); {gone} objects of "
+                                     f"{namespace} deleted, others may remain") from None
+        self.breaker.succeeded()
         return gone
 
     def close(self) -> None:
         with contextlib.suppress(*self._errors_types):
             self._client.close()
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

@@ -1,0 +1,46 @@
+"""A circuit breaker: after a store times out or is unreachable, skip it for a while.
+
+Without one, every storage call against a stalled server waits out its own timeout, one
+after another on the storage thread, and a request queued behind them waits for all of
+them. With one, the first failure costs one bounded wait; the calls after it answer at
+once (misses, failed writes) until the back-off ends, when one call probes the store
+again. Each failed probe doubles the back-off, up to `max_backoff_s`; a success resets it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class CircuitBreaker:
+    def __init__(self, backoff_s: float = 5.0, max_backoff_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < backoff_s <= max_backoff_s:
+            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {backoff_s}, "
+                             f"{max_backoff_s}")
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._wait = backoff_s
+        self._open_until: float | None = None  # None: closed, calls go through
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now (closed, or the back-off is over and
+        this call is the probe). Does not change state."""
+        return self._open_until is None or self._clock() >= self._open_until
+
+    def failed(self) -> None:
+        """The store timed out or was unreachable: skip it for the next back-off."""
+        if self._open_until is not None:  # a failed probe: back off longer
+            self._wait = min(self._wait * 2, self.max_backoff_s)
+        self._open_until = self._clock() + self._wait
+
+    def succeeded(self) -> None:
+        """The store answered: close the breaker and reset the back-off."""
+        self._open_until = None
+        self._wait = self.backoff_s
+
+    @property
+    def is_open(self) -> bool:
+        return self._open_until is not None
