@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -33,18 +34,22 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    """`password`: the server requires it (`--requirepass`), and `url` carries it."""
+
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
         self.port = free_port()
+        self.password = password
+        auth = ["--requirepass", password] if password else []
         self.proc = subprocess.Popen(
             [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
+             "--appendonly", "no", "--dir", str(workdir), *auth],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 time.sleep(0.05)
@@ -53,9 +58,20 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its port open and stops answering (a stalled store)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        """SIGKILL (it ends a paused server too); safe to call twice."""
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, 9)
+            os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
