@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 
 from shadowradix.layout import (
@@ -12,7 +14,7 @@ from shadowradix.layout import (
     sliding_window,
     state_space,
 )
-from shadowradix.layout.presets import DEEPSEEK_V4_PRO
+from shadowradix.layout.presets import DEEPSEEK_V4_FLASH, DEEPSEEK_V4_PRO
 
 
 def test_flash_matches_transformers_config():
@@ -48,6 +50,27 @@ def test_deepseek_v4_pools_follow_layer_types():
     assert lay.pool("state").entry_shape == (2, 4, 64 + 32)
     assert lay.pool("c4").entries_per_page(128) == 32
     assert lay.pool("state").entries_per_page(128) == 1
+
+
+def test_deepseek_v4_dtypes_override_single_pools():
+    """A bfloat16 model's compress state is float32 (its gate rows carry the float32
+    position bias): the pools say so, and the bytes follow."""
+    lay = deepseek_v4_flash(dtype="bfloat16")
+    mixed = deepseek_v4(DEEPSEEK_V4_FLASH, dtype="bfloat16", name=lay.name,
+                        dtypes={"state": "float32"})
+    assert {p.name: p.dtype for p in mixed.pools} == {
+        "swa": "bfloat16", "c4": "bfloat16", "c4_index": "bfloat16", "c128": "bfloat16",
+        "state": "float32"}
+    assert mixed.page_bytes()["state"] == 2 * lay.page_bytes()["state"]
+    assert mixed.fingerprint() != lay.fingerprint()
+    no_hca = deepseek_v4(SimpleNamespace(**{**vars(DEEPSEEK_V4_FLASH),
+                                            "layer_types": ["sliding_attention"]}),
+                         dtypes={"c128": "float32", "state": "float32"})
+    assert no_hca.pool_names == ("swa",)  # overrides of absent pools are ignored
+    with pytest.raises(ValueError, match="unknown pools"):
+        deepseek_v4(DEEPSEEK_V4_FLASH, dtypes={"kv": "float32"})
+    with pytest.raises(ValueError, match="fp8"):
+        deepseek_v4(DEEPSEEK_V4_FLASH, dtype="fp8", dtypes={"state": "float32"})
 
 
 def test_bytes_per_token_arithmetic():

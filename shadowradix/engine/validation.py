@@ -11,16 +11,22 @@ import torch
 from shadowradix.engine.config import SamplingParams
 from shadowradix.layout import deepseek_v4
 from shadowradix.layout.spec import KVLayout
+from shadowradix.model.dtypes import kv_dtypes
 
 
 def model_layout(hf_model: Any, page_size: int) -> KVLayout:
-    """The pools a DeepSeek-V4 model needs, in the dtype its KV is stored in.
+    """The pools a DeepSeek-V4 model needs, each in the dtype its KV form is computed in
+    (a bfloat16 checkpoint keeps its compress state in float32: `kv_dtypes`).
     Raises ValueError for anything that is not a DeepSeek-V4 model."""
-    cfg = hf_model.config
-    if getattr(cfg, "model_type", None) != "deepseek_v4":
-        raise ValueError(f"expected a DeepSeek-V4 model, got {getattr(cfg, 'model_type', cfg)}")
-    dtype = next(hf_model.parameters()).dtype
-    return deepseek_v4(cfg, page_size, str(dtype).removeprefix("torch."))
+    cfg = getattr(hf_model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind != "deepseek_v4" or not isinstance(hf_model, torch.nn.Module) or not all(
+            hasattr(hf_model, a) for a in ("model", "lm_head")):
+        got = kind or type(hf_model).__name__
+        raise ValueError(f"expected a DeepSeek-V4 causal LM (transformers' "
+                         f"DeepseekV4ForCausalLM), got {got}")
+    dtypes = {name: str(d).removeprefix("torch.") for name, d in kv_dtypes(hf_model).items()}
+    return deepseek_v4(cfg, page_size, dtypes["swa"], dtypes=dtypes)
 
 
 def check_batch(prompts: Sequence[Sequence[int]],

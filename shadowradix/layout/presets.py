@@ -8,6 +8,7 @@ transformers, so the tree and the simulator stay torch-free.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -24,8 +25,11 @@ SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_com
 FP8_KV_BYTES, FP8_INDEX_BYTES = 584, 132
 
 
+DEEPSEEK_V4_POOLS = ("swa", "c4", "c4_index", "c128", "state")
+
+
 def deepseek_v4(hf_config: Any, page_size: int = 256, dtype: str = "bfloat16",
-                name: str = "deepseek-v4") -> KVLayout:
+                name: str = "deepseek-v4", dtypes: Mapping[str, str] | None = None) -> KVLayout:
     """The five pools of DeepSeek-V4 (DESIGN.md §1), counted over the config's layer types.
 
     swa       every layer: K (= V) of the last W-1 tokens, `head_dim` wide.
@@ -40,8 +44,17 @@ def deepseek_v4(hf_config: Any, page_size: int = 256, dtype: str = "bfloat16",
     Pools with no layers are left out (a config without HCA layers has no c128).
     dtype "fp8" gives SGLang's packed records (584 bytes per KV entry, 132 per indexer
     key, float32 state): metadata-only, for sizing and simulation.
+    `dtypes` overrides `dtype` per pool, for a model whose KV forms are computed in
+    different dtypes (a bfloat16 DeepSeek-V4 keeps its compress state in float32);
+    names of pools the config lacks are ignored.
     """
+    unknown_pools = set(dtypes or ()) - set(DEEPSEEK_V4_POOLS)
+    if unknown_pools:
+        raise ValueError(f"dtypes names unknown pools {sorted(unknown_pools)}; "
+                         f"DeepSeek-V4 pools are {', '.join(DEEPSEEK_V4_POOLS)}")
     if dtype == "fp8":
+        if dtypes:
+            raise ValueError("dtype 'fp8' fixes every pool's record; pass no dtypes with it")
         return _fp8(deepseek_v4(hf_config, page_size, "bfloat16", name))
     types = Counter(hf_config.layer_types)
     unknown = set(types) - {SWA, CSA, HCA}
@@ -63,6 +76,8 @@ def deepseek_v4(hf_config: Any, page_size: int = 256, dtype: str = "bfloat16",
     if types[CSA]:
         pools.append(PoolSpec("state", None, Retention.CHECKPOINT, (2, r4, hd + ihd), dtype,
                               types[CSA]))
+    if dtypes:
+        pools = [replace(p, dtype=dtypes.get(p.name, p.dtype)) for p in pools]
     return KVLayout(name, tuple(pools), page_size)
 
 

@@ -68,14 +68,19 @@ def paged_attention(attn: Any, hidden: torch.Tensor, positions: torch.Tensor,
         masks.append(visible)
         values.append(entries.expand(L, -1, -1))
 
+    # transformers' eager attention, dtype for dtype: scores in the KV dtype, the softmax
+    # in float32 beside the float32 sinks, probabilities back in the KV dtype for the
+    # weighted sum (the float32 model is unchanged by these casts).
     scores = torch.cat([lg * attn.scaling for lg in logits], dim=-1)
     mask = torch.cat(masks, dim=-1)
     scores = scores.masked_fill(~mask[None], NEG_INF)
-    sinks = attn.sinks.view(n_heads, 1, 1).expand(-1, L, 1).to(scores.dtype)
-    combined = torch.cat([scores, sinks], dim=-1)
+    sinks = attn.sinks.view(n_heads, 1, 1).expand(-1, L, 1)
+    softmax_dtype = torch.promote_types(scores.dtype, sinks.dtype)
+    combined = torch.cat([scores.to(softmax_dtype), sinks.to(softmax_dtype)], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = combined.softmax(dim=-1)[..., :-1]
-    out = torch.einsum("hlk,lkd->lhd", probs, torch.cat(values, dim=1))  # [L, H, hd]
+    kv_values = torch.cat(values, dim=1)
+    out = torch.einsum("hlk,lkd->lhd", probs.to(kv_values.dtype), kv_values)  # [L, H, hd]
 
     # K = V carried RoPE into the output's rope slice: rotate it back at the query position.
     out = apply_rotary_pos_emb(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)

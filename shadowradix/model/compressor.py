@@ -59,5 +59,7 @@ def compress(module: Any, hidden: torch.Tensor, state: CompressorState,
 
 
 def empty_state(module: Any, like: torch.Tensor) -> CompressorState:
-    width = module.kv_proj.out_features
-    return CompressorState(like.new_zeros((0, width)), like.new_zeros((0, width)))
+    """No buffered rows, in the dtype the projections produce (on `like`'s device)."""
+    kv, gate = module.kv_proj.weight, module.gate_proj.weight
+    return CompressorState(like.new_zeros((0, kv.shape[0]), dtype=kv.dtype),
+                           like.new_zeros((0, gate.shape[0]), dtype=gate.dtype))
