@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
+from typing import Any
 
 from shadowradix.tiers.host_tier import WRITE_POLICIES
+
+MIN_TEMPERATURE = 1e-5  # logits / temperature stays finite in float32 for any real logits
+SEED_LIMIT = 2 ** 63
+
+
+def _is_int(value: Any) -> bool:
+    """An int that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -45,19 +60,20 @@ class CacheConfig:
     debug_poison: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        if not _is_int(self.page_size) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
-        if not isinstance(self.device_tokens, int) or self.device_tokens < self.page_size:
-            raise ValueError(f"device_tokens must be an int >= page_size ({self.page_size}), "
-                             f"got {self.device_tokens!r}")
-        if not isinstance(self.host_tokens, int) or not (
-                self.host_tokens == 0 or self.host_tokens >= self.page_size):
-            raise ValueError(f"host_tokens must be 0 (no host tier) or an int >= page_size "
-                             f"({self.page_size}), got {self.host_tokens!r}")
+        if not _is_int(self.device_tokens) or self.device_tokens < self.page_size \
+                or self.device_tokens % self.page_size:
+            raise ValueError(f"device_tokens must be a positive multiple of page_size "
+                             f"({self.page_size}), got {self.device_tokens!r}")
+        if not _is_int(self.host_tokens) or self.host_tokens < 0 \
+                or self.host_tokens % self.page_size:
+            raise ValueError(f"host_tokens must be 0 (no host tier) or a positive multiple of "
+                             f"page_size ({self.page_size}), got {self.host_tokens!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, "
                              f"got {self.write_policy!r}")
-        if not isinstance(self.write_hit_threshold, int) or self.write_hit_threshold < 1:
+        if not _is_int(self.write_hit_threshold) or self.write_hit_threshold < 1:
             raise ValueError(f"write_hit_threshold must be an int >= 1, "
                              f"got {self.write_hit_threshold!r}")
         if self.storage is not None and (not isinstance(self.storage, str) or not
@@ -96,10 +112,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
-                or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not self.greedy and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        for name in ("greedy", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if not self.greedy and self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} when sampling (smaller "
+                             f"ones overflow logits / temperature; use greedy=True for argmax), "
+                             f"got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")

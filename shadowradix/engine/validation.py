@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
 
+import numpy as np
 import torch
 
 from shadowradix.engine.config import SamplingParams
@@ -39,15 +40,9 @@ def check_batch(prompts: Sequence[Sequence[int]],
     if not prompts:
         raise ValueError("prompts is empty")
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence | torch.Tensor):
-            raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt)}")
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, Integral | torch.Tensor):
-                raise ValueError(f"prompt {i}: token {t!r} is not an integer id")
-            if not 0 <= int(t) < vocab_size:
-                raise ValueError(f"prompt {i}: token id {int(t)} is outside the vocabulary "
+        for t in _token_ids(i, prompt):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
     if params is None:
         return [SamplingParams()] * len(prompts)
@@ -57,3 +52,39 @@ def check_batch(prompts: Sequence[Sequence[int]],
     if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
         raise ValueError("params must be one SamplingParams or one per prompt")
     return plist
+
+
+def _token_ids(i: int, prompt: Any) -> list[int]:
+    """The prompt's ids, if it is a list of ints (numpy integers and 0-d integer tensors
+    included), or a 1-d integer numpy array or torch tensor. Floats are refused, never
+    truncated: 2.9 is no token id."""
+    if isinstance(prompt, torch.Tensor | np.ndarray):
+        kind = str(prompt.dtype).removeprefix("torch.")
+        if prompt.ndim != 1 or not _integer_dtype(prompt.dtype):
+            raise ValueError(f"prompt {i} must be a 1-d array of integer token ids, got "
+                             f"{prompt.ndim}-d {kind}")
+        ids = [int(t) for t in prompt.tolist()]
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
+        for t in prompt:
+            if not _is_token(t):
+                raise ValueError(f"prompt {i}: token {t!r} is not an integer id")
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt)}")
+    if not ids:
+        raise ValueError(f"prompt {i} is empty")
+    return ids
+
+
+def _is_token(t: Any) -> bool:
+    """A Python or numpy integer (not a bool), or a 0-d integer tensor or array."""
+    if isinstance(t, torch.Tensor | np.ndarray):
+        return t.ndim == 0 and _integer_dtype(t.dtype)
+    return isinstance(t, Integral) and not isinstance(t, bool | np.bool_)
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    """Integer, not bool, for numpy and torch dtypes alike."""
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return bool(np.issubdtype(dtype, np.integer))
