@@ -95,8 +95,9 @@ def test_many_conversations_through_a_small_device_stay_exact(model, monkeypatch
         check(model, t, r)
         assert r.cached_tokens == 32  # nothing lost: what left the device came from the host
     assert sum(r.cached_by_tier["host"] for r in results) > 0
-    if slow_copies:  # the forward found copies still running and waited for them
-        assert eng.stats()["copy_stalls"] > 0
+    if slow_copies:  # copies were still running when their requests came up: the
+        st = eng.stats()  # forward waited for them, or the request sat out a step
+        assert st["copy_stalls"] + st["copy_deferrals"] > 0
     eng.close()
 
 

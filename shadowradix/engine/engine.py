@@ -1,21 +1,35 @@
-"""The public Engine: DeepSeek-V4 generation through ShadowRadix (DESIGN.md §7)."""
+"""The public Engine: DeepSeek-V4 generation through ShadowRadix (DESIGN.md §7).
+
+Online core: `add_request` queues a request, `step` runs one scheduler step and returns
+what each request produced, `abort` drops one, `generate` is a loop over these. The
+engine is not thread-safe: call it from one thread (a server drives it from its own
+loop thread). A call that overlaps another raises RuntimeError instead of corrupting
+state.
+"""
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from shadowradix.engine.cache_control import CacheControl
 from shadowradix.engine.config import CacheConfig, SamplingParams
-from shadowradix.engine.request import Request, Result
+from shadowradix.engine.request import Request, Result, StepOutput
 from shadowradix.engine.sampling import sample
-from shadowradix.engine.scheduler import Scheduler
+from shadowradix.engine.scheduler import Chunk, Scheduler
 from shadowradix.engine.validation import check_batch, model_layout
+from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
+from shadowradix.model.context import RequestKV
 from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.manager import CacheManager
 from shadowradix.tiers.mover import mover_for
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
@@ -39,8 +53,11 @@ class Engine:
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         host_pages = config.host_tokens // config.page_size if config.host_tokens else None
-        self._prefix = PrefixCache(self.layout, config.device_tokens // config.page_size,
-                                   device=self.device, host_pages=host_pages)
+        pages = {p.name: (config.window_tokens if p.retention is Retention.WINDOW
+                          and config.window_tokens is not None else config.device_tokens)
+                 // config.page_size for p in self.layout.pools}
+        self._prefix = PrefixCache(self.layout, pages, device=self.device,
+                                   host_pages=host_pages)
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(cfg.layer_types))
@@ -55,13 +72,18 @@ class Engine:
         if host_pages is not None:
             self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),
                                  config.write_policy, config.write_hit_threshold)
-        self.scheduler = Scheduler(self._prefix, step_tokens, self.device, self.storage,
-                                   self.host)
+        self.manager = CacheManager(self._prefix, self.host, self.storage,
+                                    poison=config.debug_poison)
+        self.scheduler = Scheduler(self.manager, step_tokens)
         self.cache = CacheControl(self._prefix, self.storage)
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
             "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,
-            "host_tokens": 0, "storage_tokens": 0, "copy_stalls": 0, "copy_stall_seconds": 0.0}
+            "host_tokens": 0, "storage_tokens": 0, "copy_stalls": 0, "copy_stall_seconds": 0.0,
+            "aborted": 0}
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._busy = threading.Lock()
         self._closed = False
 
     @classmethod
@@ -78,68 +100,150 @@ class Engine:
         model = model.to(device)
         return cls(model, config, **kwargs)
 
-    # -------------------------------------------------------------- generate
+    # ------------------------------------------------------------ online core
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One caller at a time: a call that overlaps another raises instead of waiting
+        (two threads stepping one engine is a bug in the caller, never a queue)."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("Engine is not thread-safe: another thread is inside it. "
+                               "Drive it from one thread (or serialise calls yourself).")
+        try:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            yield
+        finally:
+            self._busy.release()
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    return_logits: bool = False) -> str:
+        """Queue a request; returns its id. It runs from the next `step` on. Raises
+        ValueError (changing nothing) on bad input or a request that can never fit."""
+        with self._exclusive():
+            (p,) = check_batch([prompt_ids], params, self.vocab_size)
+            return self._add(prompt_ids, p, return_logits)
+
+    def _add(self, prompt_ids: Sequence[int], p: SamplingParams, return_logits: bool,
+             label: str = "prompt") -> str:
+        gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
+        rid = f"req-{next(self._ids)}"
+        req = Request(rid, [int(t) for t in prompt_ids], len(prompt_ids), p, gen, return_logits)
+        if not self.scheduler.fits_ever(req):
+            need = self.manager.peak_pages(req.max_tokens, self.scheduler.step_tokens)
+            have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
+            raise ValueError(f"{label}: {req.prompt_len} tokens + max_new_tokens "
+                             f"{p.max_new_tokens} need up to {need} pages at once; the device "
+                             f"pools hold {have}")
+        self._requests[rid] = req
+        self.scheduler.waiting.append(req)
+        return rid
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduler step: admit, grow (preempting under pressure), one forward over
+        every scheduled chunk, sample. Returns an output per request that produced a
+        token or finished; may return nothing (e.g. while storage reads are in flight)."""
+        with self._exclusive():
+            return self._step()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request at once: its pages and locks are released, copies in flight
+        included. An unknown or finished id is ignored."""
+        with self._exclusive():
+            req = self._requests.pop(request_id, None)
+            if req is not None and not req.done:
+                self.scheduler.abort(req)
+                self._counters["aborted"] += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  return_logits: bool = False) -> list[Result]:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        plist = check_batch(prompts, params, self.vocab_size)
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
-            req = Request(i, [int(t) for t in prompt], len(prompt), p, gen)
-            if not self.scheduler.fits_ever(req):
-                raise ValueError(
-                    f"prompt {i}: {len(prompt)} tokens + max_new_tokens {p.max_new_tokens} need "
-                    f"{req.pages_needed(self.config.page_size)} pages; the device pools hold "
-                    f"{self.config.device_tokens // self.config.page_size}")
-            requests.append(req)
-        self.scheduler.waiting.extend(requests)
-        try:
-            while any(not r.done for r in requests):
-                self._step()
-        except BaseException:
-            self.scheduler.abort(requests)  # leave no lock or page behind (KeyboardInterrupt too)
-            raise
-        return [self._result(r, return_logits) for r in requests]
+        """Run prompts to completion; one Result per prompt, in order. Bad input raises
+        ValueError before anything is queued; any exception aborts every request of the
+        call (nothing leaks) and propagates."""
+        with self._exclusive():
+            plist = check_batch(prompts, params, self.vocab_size)
+            ids: list[str] = []
+            try:
+                for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+                    ids.append(self._add(prompt, p, return_logits, f"prompt {i}"))
+                reqs = [self._requests[rid] for rid in ids]
+                while not all(r.done for r in reqs):
+                    self._step()
+            except BaseException:
+                for rid in ids:
+                    req = self._requests.pop(rid, None)
+                    if req is not None and not req.done:
+                        self.scheduler.abort(req)
+                raise
+            for rid in ids:
+                self._requests.pop(rid, None)
+            return [r.result for r in reqs]  # type: ignore[misc]
 
-    def _step(self) -> None:
+    def _step(self) -> list[StepOutput]:
         t_step = time.perf_counter()
         sched = self.scheduler
         sched.admit()
         chunks = sched.plan()
         if not chunks:
-            raise RuntimeError("no request can run: pools exhausted by locked pages")
+            if sched.waiting and not sched.running:
+                raise RuntimeError("no request can run: the pools are pinned by locks")
+            return []
         segments = []
         for c in chunks:
-            assert c.request.kv is not None
-            ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
+            kv = self._page_tables(c.request)
             if self.host is not None:
-                self._wait_for_copies(c.request.ready)
-            if c.start == c.request.cached and c.start:  # first chunk after a cache hit
-                self.runner.resume(self.store, c.request.kv, c.start // self.config.page_size)
-            segments.append((ids, c.start, c.request.kv))
+                assert c.request.lease is not None
+                self._wait_for_copies(c.request.lease.ready)
+            lease = c.request.lease
+            assert lease is not None
+            if c.start == lease.cached and c.start:  # first chunk after a cache hit
+                self.runner.resume(self.store, kv, c.start // self.config.page_size)
+            ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
+            segments.append((ids, c.start, kv))
         t_forward = time.perf_counter()
-        outputs = self.runner.forward_batch(segments, self.store)
+        logits = self.runner.forward_batch(segments, self.store)
         self._counters["forward_seconds"] += time.perf_counter() - t_forward
         self._counters["steps"] += 1
-        for c, logits in zip(chunks, outputs, strict=True):
-            req = c.request
-            decoding = not req.prefilling
-            req.computed = c.end
-            self._counters["decode_tokens" if decoding else "prefill_tokens"] += c.end - c.start
-            if req.prefilling:
-                continue
-            row = logits[-1]
-            token = sample(row, req.params, req.generator)
-            req.logits.append(row.cpu())
-            req.ids.append(token)
-            if len(req.outputs) >= req.params.max_new_tokens or (
-                    not req.params.ignore_eos and token in self.eos):
-                req.done = True
-                sched.finish(req)
+        outputs = [self._advance(c, rows) for c, rows in zip(chunks, logits, strict=True)]
         self._counters["step_seconds"] += time.perf_counter() - t_step
+        return [o for o in outputs if o is not None]
+
+    def _page_tables(self, req: Request) -> RequestKV:
+        """The request's page tables for the model, rebuilt when its lease changed."""
+        lease, kv = req.lease, req.kv
+        assert lease is not None and kv is not None
+        if req.kv_version != lease.version:
+            table = torch.from_numpy(lease.table.astype(np.int64)).to(self.device)
+            kv.page_tables = {name: table[row] for row, name in enumerate(self.layout.pool_names)}
+            req.kv_version = lease.version
+        return kv
+
+    def _advance(self, c: Chunk, rows: torch.Tensor) -> StepOutput | None:
+        """Book a chunk's forward: cache its computed pages; sample at the sequence end."""
+        req = c.request
+        req.computed = c.end
+        kind = "decode_tokens" if c.end - c.start == 1 and c.start >= req.prompt_len else (
+            "prefill_tokens")
+        self._counters[kind] += c.end - c.start
+        assert req.lease is not None
+        self.manager.cache_prefix(req.lease, req.ids, req.computed)
+        if c.end < len(req.ids):
+            return None  # a prefill chunk short of the end
+        row = rows[-1]
+        token = sample(row, req.params, req.generator)
+        if req.keep_logits:
+            req.logits.append(row.cpu())
+        req.ids.append(token)
+        finished = len(req.outputs) >= req.params.max_new_tokens or (
+            not req.params.ignore_eos and token in self.eos)
+        if finished:
+            self.scheduler.finish(req)
+            req.done = True
+            req.result = self._result(req)
+        return StepOutput(req.id, [token], finished, req.result)
 
     def _wait_for_copies(self, ticket: int) -> None:
         """Its pages are back from the host before the forward reads them. A wait that
@@ -154,11 +258,11 @@ class Engine:
         self._counters["copy_stalls"] += 1
         self._counters["copy_stall_seconds"] += time.perf_counter() - t0
 
-    def _result(self, req: Request, return_logits: bool) -> Result:
+    def _result(self, req: Request) -> Result:
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += req.prompt_len
         self._counters["cached_tokens"] += req.cached
-        logits = torch.stack(req.logits) if return_logits else None
+        logits = torch.stack(req.logits) if req.keep_logits else None
         self._counters["host_tokens"] += req.from_host
         self._counters["storage_tokens"] += req.from_storage
         return Result(req.outputs, logits, req.cached,
@@ -182,11 +286,24 @@ class Engine:
             "storage_bytes": {"read": self.storage.bytes_read if self.storage else 0,
                               "written": self.storage.bytes_written if self.storage else 0},
             "hisparse": {"hits": 0, "misses": 0, "bytes_moved": 0},
+            "preemptions": self.scheduler.preemptions,
+            "copy_deferrals": self.scheduler.deferred,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
         }
+
+    def check_integrity(self) -> None:
+        """Every page has exactly one owner (the tree, a running request, a free list) in
+        both tiers, and the tree's invariants hold. Raises AssertionError naming the count
+        that disagrees."""
+        with self._exclusive():
+            self.manager.check_integrity()
 
     def close(self) -> None:
         """Stop accepting work, finish the host copies and the storage reads and writes
-        in flight, and close the storage backend."""
+        in flight, and close the storage backend. Idempotent."""
+        if self._closed:
+            return
         self._closed = True
         if self.host is not None:
             self.host.mover.close()

@@ -1,22 +1,21 @@
-"""One generation request from admission to result."""
+"""One generation request from `add_request` to its Result."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from shadowradix.engine.config import SamplingParams
 from shadowradix.model.context import RequestKV
+from shadowradix.tiers.manager import Lease
 from shadowradix.tiers.storage_tier import Fetched
-from shadowradix.tree.results import LockHandle, MatchResult
 
 
 @dataclass
 class Result:
-    """What `Engine.generate` returns per prompt."""
+    """What a finished request returns (`Engine.generate`, `StepOutput.result`)."""
 
     output_ids: list[int]
     logits: torch.Tensor | None  # float32 [len(output_ids), vocab]: the logits that chose them
@@ -24,41 +23,58 @@ class Result:
     cached_by_tier: dict[str, int]
 
 
-@dataclass
+@dataclass(frozen=True)
+class StepOutput:
+    """What one `Engine.step` produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    result: Result | None = None  # set when finished
+
+
+@dataclass(eq=False)
 class Request:
-    """
-    # [0, cached)           served from the tree (locked)
-    # [cached, computed)    prefilled / decoded so far: KV written to this request's pages
+    """A live request (compared by identity).
+
+    # [0, lease.cached)     served from the cache at its (last) admission
+    # [cached, computed)    prefilled / decoded so far: KV written to its pages
     # [computed, len(ids))  tokens still to feed (the rest of the prompt, or the last output)
+
+    A preempted request keeps its ids and outputs and goes back to the queue; at its next
+    admission it resumes from what the cache still holds and recomputes the rest.
     """
 
-    index: int
+    id: str
     ids: list[int]
     prompt_len: int
     params: SamplingParams
     generator: torch.Generator | None
-    match: MatchResult | None = None
-    handle: LockHandle | None = None
+    keep_logits: bool = False
+    lease: Lease | None = None
     kv: RequestKV | None = None
-    own: dict[str, np.ndarray] = field(default_factory=dict)  # pages allocated to it
-    cached: int = 0  # tokens served from cache, any tier
-    from_host: int = 0  # of those, loaded back from L2
-    from_storage: int = 0  # of those, loaded from L3
-    ready: int = 0  # the host-copy ticket its first forward must wait for
+    kv_version: int = -1  # the lease.version its page tables were built from
+    computed: int = 0
     prefetch: Future[Fetched] | None = None  # L3 reads for its prompt, started while it waits
     landed: int = 0  # pages of those put on the host tier (L3 -> L2), before its match
-    computed: int = 0
+    admitted: bool = False  # its first admission happened (the hit counts below are from it)
+    cached: int = 0  # prompt tokens served from cache at its first admission
+    from_host: int = 0
+    from_storage: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
+    result: Result | None = None
 
     @property
     def outputs(self) -> list[int]:
         return self.ids[self.prompt_len:]
 
     @property
-    def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
+    def decoding(self) -> bool:
+        """One token left to feed: the last output (a decode step)."""
+        return len(self.ids) - self.computed == 1
 
-    def pages_needed(self, page_size: int) -> int:
-        """Pages for the whole prompt plus every token it may generate."""
-        return -(-(self.prompt_len + self.params.max_new_tokens) // page_size)
+    @property
+    def max_tokens(self) -> int:
+        """Positions it may ever write KV for: the prompt and every output but the last."""
+        return self.prompt_len + self.params.max_new_tokens - 1

@@ -83,8 +83,8 @@ class HostTier:
                 dst = np.asarray(pages[name], dtype=PAGE)
                 fill[row, cells] = dst
                 copies.append((name, HOST, match.host_table[row, cells], dst))
-        self.tree.fill(match.node, fill, DEVICE)
-        self._submit(copies)
+        self._submit(copies)  # before the tree adopts the pages: a copy never submitted
+        self.tree.fill(match.node, fill, DEVICE)  # must not leave them looking loaded
         self.counts["loaded"] += int(np.count_nonzero(fill >= 0))
         table[fill >= 0] = fill[fill >= 0]
         return table

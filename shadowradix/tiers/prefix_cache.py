@@ -19,7 +19,7 @@ from shadowradix.layout.spec import KVLayout
 from shadowradix.pool.allocator import PAGE_DTYPE, PagePool
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.radix import ShadowRadix
-from shadowradix.tree.results import InsertResult, LockHandle, MatchResult
+from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult, Peek
 from shadowradix.tree.stats import TreeStats
 from shadowradix.tree.tier import DEVICE, HOST
 
@@ -83,23 +83,39 @@ class PrefixCache:
         return storage.data
 
     # --------------------------------------------------------------- reuse
-    def match(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
-        return self.tree.match_prefix(tokens)
+    def match(self, tokens: Sequence[int] | np.ndarray, *, record: bool = True) -> MatchResult:
+        return self.tree.match_prefix(tokens, record=record)
+
+    def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
+        """A match without side effects (see ShadowRadix.peek)."""
+        return self.tree.peek(tokens)
 
     def lock(self, target: MatchResult | InsertResult) -> LockHandle:
         """Lock the prefix a match returned, or the one an insert just stored."""
         return self.tree.lock(target.node)
 
     def unlock(self, handle: LockHandle) -> None:
+        """Release a lock; a prefix left with no resume point in any tier goes at once."""
         self.tree.unlock(handle)
+        if handle.node.full_lock == 0:
+            self._free_evicted(self.tree.prune(handle.node))
 
     # ---------------------------------------------------------- allocation
+    def can_alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> bool:
+        """Whether `alloc(need, tier)` would succeed: free plus evictable pages cover every
+        pool. Changes nothing."""
+        pools, tree = self.tier_pools(tier), self.tree
+        return all(pools[name].free_pages + tree.evictable(name, tier) >= n
+                   for name, n in need.items() if n > 0)
+
     def alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> dict[str, np.ndarray] | None:
         """Pages of one tier, evicting unlocked cache of that tier where a pool is short.
 
-        Returns None when even after eviction some pool cannot supply its
-        count; then nothing is allocated (cached data may have been evicted).
+        Checks first: returns None, changing nothing, when free plus evictable pages do
+        not cover some pool (`can_alloc`).
         """
+        if not self.can_alloc(need, tier):
+            return None
         pools = self.tier_pools(tier)
         if tier == DEVICE and self.before_device_evict is not None:
             short = max((n - pools[name].free_pages for name, n in need.items()), default=0)
@@ -110,7 +126,7 @@ class PrefixCache:
             if short > 0:
                 self.evict(name, short, tier)
         if any(not pools[name].can_alloc(n) for name, n in need.items()):
-            return None
+            raise AssertionError(f"eviction delivered less than evictable() promised for {need}")
         return {name: pools[name].alloc(n) for name, n in need.items()}
 
     def free(self, pages: Mapping[str, np.ndarray], tier: int = DEVICE) -> None:
@@ -133,14 +149,17 @@ class PrefixCache:
         `pool` left that tier."""
         t0 = time.perf_counter()
         result = self.tree.evict(pool, num_pages, tier)
+        self._free_evicted(result)
+        self.evict_seconds += time.perf_counter() - t0
+        return (result.freed_host if tier == HOST else result.freed)[pool].size
+
+    def _free_evicted(self, result: EvictResult) -> None:
         for name, pages in result.freed.items():
             self.pools[name].free(pages)
             self.evicted[name] += pages.size
         for name, pages in result.freed_host.items():
             self.host_pools[name].free(pages)
             self.evicted_host[name] += pages.size
-        self.evict_seconds += time.perf_counter() - t0
-        return (result.freed_host if tier == HOST else result.freed)[pool].size
 
     def flush(self, tier: int = DEVICE) -> None:
         """Drop every unlocked page the tree holds in `tier`."""

@@ -3,7 +3,7 @@
 from shadowradix.tree.node import Node
 from shadowradix.tree.policy import POLICIES, CheckpointPolicy, periodic
 from shadowradix.tree.radix import ShadowRadix, as_tokens
-from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult
+from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult, Peek
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import PoolCounts, TreeStats
 from shadowradix.tree.tier import DEVICE, HOST, Tier
@@ -19,6 +19,7 @@ __all__ = [
     "MatchResult",
     "MatchRule",
     "Node",
+    "Peek",
     "PoolCounts",
     "ShadowRadix",
     "Tier",

@@ -37,6 +37,9 @@ class Eviction:
     short_lived_rows: list[int]
     root: Node
     _held: list[list[int]]
+    _pinned: list[list[int]]
+    full_pin_rows: list[int]
+    window_pin_rows: list[int]
     _n_nodes: int
 
     def _init_eviction(self) -> None:
@@ -77,6 +80,18 @@ class Eviction:
                         got += self._tombstone(tier, row, kept, num_pages - got, freed)
             if got < num_pages and (row not in self._loose[tier] or not self.policy.tombstones):
                 self._evict_leaves(tier, row, num_pages - got, freed)
+        return self._evict_result(freed)
+
+    def prune(self, node: Node) -> EvictResult:
+        """Remove `node` and unlocked ancestors while each is a leaf no tier can resume
+        from (a running request's prefix, inserted without its live window, once the
+        request is gone). The caller frees the pages in the result."""
+        freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        if node.alive and node is not self.root:
+            self._drop_dead_leaf(node, freed)
+        return self._evict_result(freed)
+
+    def _evict_result(self, freed: Freed) -> EvictResult:
         out = [{p.name: (np.concatenate(f[i]) if f[i] else np.empty(0, PAGE))
                 for i, p in enumerate(self.layout.pools)} for f in freed]
         return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
@@ -151,7 +166,7 @@ class Eviction:
         got = np.asarray(self.spill(node, want), dtype=PAGE)
         put = want & (got >= 0)
         host[put] = got[put]
-        self._count(put, +1, HOST)
+        self._count(put, +1, HOST, node)
         self._enqueue(node)
 
     def _drop_tier(self, node: Node, tier: int, freed: Freed) -> None:
@@ -214,11 +229,21 @@ class Eviction:
                 freed[tier][row].append(pages)
                 self._held[tier][row] -= pages.size
 
-    def _count(self, mask: np.ndarray, step: int, tier: int = DEVICE) -> None:
-        """Adjust the per-pool page counts by the set cells of `mask` [pools, n]."""
+    def _count(self, mask: np.ndarray, step: int, tier: int = DEVICE,
+               node: Node | None = None) -> None:
+        """Adjust the per-pool page counts by the set cells of `mask` [pools, n] of `node`
+        (None: a node no lock holds), pinned counts included."""
         held = self._held[tier]
         for row in range(self.n_pools):
             held[row] += step * int(np.count_nonzero(mask[row]))
+        if node is None or node.full_lock == 0:
+            return
+        pinned = self._pinned[tier]
+        for row in self.full_pin_rows:
+            pinned[row] += step * int(np.count_nonzero(mask[row]))
+        locked = node.window_lock > 0
+        for row in self.window_pin_rows:
+            pinned[row] += step * int(np.count_nonzero(mask[row] & locked))
 
     def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         present = node.slot(tier)[row] >= 0

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 def check_tree(tree: ShadowRadix) -> None:
     ps, n_pools, tiers = tree.page_size, tree.n_pools, tree.tiers
     held = np.zeros((tiers, n_pools), np.int64)
+    pinned = np.zeros((tiers, n_pools), np.int64)
     per_pool: list[list[list[np.ndarray]]] = [[[] for _ in range(n_pools)] for _ in range(tiers)]
     n_nodes = 1
     all_rows = list(tree.rule.all_rows)
@@ -56,6 +57,12 @@ def check_tree(tree: ShadowRadix) -> None:
                     present = slot[row][slot[row] >= 0]
                     per_pool[tier][row].append(present)
                     held[tier, row] += present.size
+                if child.full_lock:
+                    for row in tree.full_pin_rows:
+                        pinned[tier, row] += int(np.count_nonzero(slot[row] >= 0))
+                for row in tree.window_pin_rows:
+                    pinned[tier, row] += int(np.count_nonzero((slot[row] >= 0)
+                                                              & (child.window_lock > 0)))
             child_locks += child.full_lock
             stack.append(child)
         if node is not tree.root:
@@ -67,6 +74,9 @@ def check_tree(tree: ShadowRadix) -> None:
             count = tree._held[tier][row]
             _expect(held[tier, row] == count, f"pool {spec.name!r} tier {tier}: "
                     f"{held[tier, row]} pages in shadows, {count} counted")
+            _expect(pinned[tier, row] == tree._pinned[tier][row],
+                    f"pool {spec.name!r} tier {tier}: {pinned[tier, row]} pages pinned by "
+                    f"locks, {tree._pinned[tier][row]} counted")
             parts = per_pool[tier][row]
             pages = np.concatenate(parts) if parts else np.empty(0, np.int32)
             _expect(np.unique(pages).size == pages.size,

@@ -26,7 +26,7 @@ from shadowradix.layout.spec import KVLayout, Retention
 from shadowradix.tree.eviction import Eviction
 from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
-from shadowradix.tree.results import InsertResult, LockHandle, MatchResult
+from shadowradix.tree.results import InsertResult, LockHandle, MatchResult, Peek, _Probe
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import TreeStats, count_stats
 from shadowradix.tree.tier import DEVICE, HOST
@@ -73,18 +73,71 @@ class ShadowRadix(Eviction):
         self.root = self._new_node(np.empty(0, TOKEN), np.empty((self.n_pools, 0), PAGE), None, 0)
         self._clock = 0
         self._held = [[0] * self.n_pools for _ in range(self.tiers)]  # pages, per tier and pool
+        # Of those, the pages a lock pins (never evictable): ALL rows of full-locked nodes,
+        # window-locked pages of short-lived rows (every row of a locked node when
+        # tombstones are off). held - pinned is what eviction can deliver.
+        self._pinned = [[0] * self.n_pools for _ in range(self.tiers)]
+        tomb = self.policy.tombstones
+        self.full_pin_rows = (list(self.rule.all_rows) if tomb else list(range(self.n_pools)))
+        self.window_pin_rows = self.short_lived_rows if tomb else []
         self._n_nodes = 1
         self._init_eviction()
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray, *,
+                     record: bool = True) -> MatchResult:
         """The deepest exact resume point for `tokens`; see MatchResult.
 
         Never allocates or evicts. It may split a node so that a node ends at
-        the resume point (the lock target) and, under the branch-point policy,
-        at a logical hit deeper than it (marked for a checkpoint at next insert).
+        the resume point (the lock target). With `record` (the default) it also
+        counts the match: LRU stamps and hit counts along the path and, under the
+        branch-point policy, a checkpoint mark at a logical hit deeper than the
+        resume point. An admission that may still be refused matches with
+        record=False and calls `record` once it goes ahead.
         """
-        tokens = as_tokens(tokens)
+        probe = self._probe(as_tokens(tokens))
+        path, depth, resume = probe.path, probe.depth, probe.resume
+        target = self._node_ending_at(path, resume)
+        deepest = path[-1][0] if path else self.root
+        tiers = self.tiers > 1
+        m = MatchResult(resume * self.page_size, depth * self.page_size,
+                        probe.table[:, :resume].copy(), target,
+                        probe.on_device * self.page_size if tiers else None,
+                        probe.host, probe.load, deepest)
+        if record:
+            self.record(m)
+        return m
+
+    def record(self, m: MatchResult) -> None:
+        """Count a match that goes ahead: LRU stamps and hits on the nodes it reached,
+        and a branch mark at its logical depth when that lies past its resume point."""
+        self._clock += 1
+        node: Node | None = m.deepest
+        deepest = m.deepest
+        while node is not None and node is not self.root:
+            node.last_access = self._clock
+            node.hits += 1
+            node = node.parent
+        if (self.policy.branch_points and m.logical_len > m.prefix_len and deepest is not None
+                and deepest.alive and deepest is not self.root):
+            depth = m.logical_len // self.page_size
+            if deepest.start_page < depth < deepest.end_page:
+                deepest = self._split(deepest, depth - deepest.start_page)
+            if deepest.end_page == depth:
+                deepest.branch = True
+
+    def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
+        """What `match_prefix` would answer, changing nothing (no split, no stamp, no hit):
+        for look-ahead (admission checks, where a storage read should start)."""
+        probe = self._probe(as_tokens(tokens))
+        held = probe.table[:, :probe.resume]
+        if probe.host is not None:
+            held = np.where(held >= 0, held, probe.host)
+        return Peek(probe.resume * self.page_size, probe.on_device * self.page_size,
+                    probe.depth * self.page_size, held.copy(),
+                    None if probe.load is None else probe.load.copy())
+
+    def _probe(self, tokens: np.ndarray) -> _Probe:
         ps = self.page_size
         cap = max(tokens.size - 1, 0) // ps
         path = list(self._descend(tokens, cap))
@@ -94,10 +147,6 @@ class ShadowRadix(Eviction):
         else:
             table = np.empty((self.n_pools, 0), PAGE)
         resume = self.rule.deepest(table)
-        self._clock += 1
-        for n, _ in path:
-            n.last_access = self._clock
-            n.hits += 1
         on_device, host, load = resume, None, None
         if self.tiers > 1:
             host = (np.concatenate([n.slot(HOST)[:, :eq] for n, eq in path], axis=1)
@@ -105,15 +154,7 @@ class ShadowRadix(Eviction):
             resume = self.rule.deepest(np.where(table >= 0, table, host))
             load = self.rule.needed(self.n_pools, resume) & (table[:, :resume] < 0)
             host = host[:, :resume].copy()
-        # Split at the resume point first: the branch split below lies deeper and
-        # leaves the target (the head ending at `resume`) untouched.
-        target = self._node_ending_at(path, resume)
-        if self.policy.branch_points and depth > resume:
-            self._node_ending_at(path, depth).branch = True
-        if self.tiers == 1:
-            return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target)
-        return MatchResult(resume * ps, depth * ps, table[:, :resume].copy(), target,
-                           on_device * ps, host, load)
+        return _Probe(path, depth, table, resume, on_device, host, load)
 
     def _descend(self, tokens: np.ndarray, limit: int) -> Iterator[tuple[Node, int]]:
         """Walk down from the root along `tokens`, at most `limit` pages deep.
@@ -198,7 +239,7 @@ class ShadowRadix(Eviction):
             drop = give & ~fill & (req != slot)
             if np.count_nonzero(fill):
                 slot[fill] = req[fill]
-                self._count(fill, +1, tier)
+                self._count(fill, +1, tier, seg)
             if np.count_nonzero(drop):
                 to_free.append(np.where(drop, req, -1))
             self._enqueue(seg)
@@ -292,13 +333,38 @@ class ShadowRadix(Eviction):
     def _lock_walk(self, handle: LockHandle, step: int) -> None:
         need = handle.window_pages
         node: Node | None = handle.node
+        flip = 0 if step > 0 else 1  # the count at which a page turns pinned / unpinned
         while node is not None and node is not self.root:
+            if node.full_lock == flip:
+                self._pin(node, None, step)
             node.full_lock += step
             if need > 0:
                 take = min(need, node.n_pages)
-                node.window_lock[node.n_pages - take:] += step
+                cols = node.window_lock[node.n_pages - take:]
+                turning = cols == flip
+                if self.window_pin_rows and np.count_nonzero(turning):
+                    mask = np.zeros(node.n_pages, dtype=bool)
+                    mask[node.n_pages - take:] = turning
+                    self._pin(node, mask, step)
+                cols += step
                 need -= take
             node = node.parent
+
+    def _pin(self, node: Node, cols: np.ndarray | None, step: int) -> None:
+        """Pinned counts as a node's full lock (cols None) or some window locks turn."""
+        rows = self.full_pin_rows if cols is None else self.window_pin_rows
+        for tier in range(self.tiers):
+            slot = node.slot(tier)
+            pinned = self._pinned[tier]
+            for row in rows:
+                present = slot[row] >= 0 if cols is None else (slot[row] >= 0) & cols
+                pinned[row] += step * int(np.count_nonzero(present))
+
+    def evictable(self, pool: str, tier: int = DEVICE) -> int:
+        """Pages of `pool` in `tier` that eviction can let go now (held and not pinned by a
+        lock). Does not change anything; O(1)."""
+        row = self.layout.index(pool)
+        return self._held[tier][row] - self._pinned[tier][row]
 
     # ------------------------------------------------------------------ tiers
     def fill(self, node: Node, table: np.ndarray, tier: int) -> None:
@@ -323,7 +389,7 @@ class ShadowRadix(Eviction):
                 given.append((walk, seg, give))
         for walk, seg, give in given:
             walk.slot(tier)[give] = seg[give]
-            self._count(give, +1, tier)
+            self._count(give, +1, tier, walk)
             self._enqueue(walk)
 
     def absent(self, node: Node, tier: int, min_hits: int = 0) -> np.ndarray:

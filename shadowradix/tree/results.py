@@ -37,6 +37,7 @@ class MatchResult:
     device_len: int | None = None
     host_table: np.ndarray | None = None
     load: np.ndarray | None = None
+    deepest: Node | None = field(default=None, repr=False)  # the last node reached
 
     @property
     def device_prefix_len(self) -> int:
@@ -48,6 +49,36 @@ class MatchResult:
         if self.host_table is None:
             return self.page_table
         return np.where(self.page_table >= 0, self.page_table, self.host_table)
+
+
+@dataclass(frozen=True)
+class Peek:
+    """What a match would return, computed without changing the tree (`ShadowRadix.peek`).
+
+    prefix_len, device_len, logical_len: as in MatchResult.
+    held_table: [pools, prefix_len / page_size], >= 0 where the device or host holds
+        the page (where a storage read would start).
+    load: as MatchResult.load (None without a host tier).
+    """
+
+    prefix_len: int
+    device_len: int
+    logical_len: int
+    held_table: np.ndarray
+    load: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One descent's findings, shared by match_prefix and peek (tree-internal)."""
+
+    path: list[tuple[Node, int]]
+    depth: int
+    table: np.ndarray
+    resume: int
+    on_device: int
+    host: np.ndarray | None
+    load: np.ndarray | None
 
 
 @dataclass(frozen=True)

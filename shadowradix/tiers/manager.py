@@ -1,0 +1,353 @@
+"""One owner of a request's cache life across device, host and storage (DESIGN.md §4).
+
+The engine's scheduler, the simulator's replay and the tests drive this one object;
+the scheduler only decides who runs each step.
+
+    admit    match, lock, load back host pages (L2 -> L1), write stored pages (L3 -> L1),
+             allocate the first chunk's pages. Checks first: a refusal changes nothing.
+    grow     pages for the next chunk, per pool, as the sequence grows.
+    cache    hand computed full pages to the tree while the request runs: other requests
+             hit its prefix, and the window it left behind becomes evictable cache.
+    finish   hand everything over (a checkpoint at the end), write through to storage.
+    preempt  the same without storage: the request resumes later from what is cached.
+    abort    give back what is still the request's own, release its lock.
+
+A request's pages, as a `Lease` records them:
+
+    # [0, done)                borrowed from the tree by the match (locked)
+    # [done, handed)           computed and handed to the tree (locked through the lease)
+    # [handed - hold, handed)  window / state pages the request keeps: it still reads them
+    #                          (handed at its next `cache`)
+    # [handed, extent)         its own pages, being written
+
+Every state change is recorded in the lease right after it happens, so `abort` undoes
+exactly what is still the request's, whatever raised in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shadowradix.layout.spec import Retention
+from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tree.node import PAGE
+from shadowradix.tree.results import LockHandle
+from shadowradix.tree.tier import DEVICE
+
+if TYPE_CHECKING:
+    from shadowradix.tiers.host_tier import HostTier
+    from shadowradix.tiers.storage_tier import Fetched
+
+
+@dataclass(eq=False)
+class Lease:
+    """What the manager holds for one admitted request (compared by identity)."""
+
+    table: np.ndarray  # [pools, pages] physical page of each logical page; -1: none
+    own: np.ndarray  # [pools, pages] the request's own pages (freed on abort)
+    extent: np.ndarray  # [pools] pages allocated so far, per pool
+    handle: LockHandle | None
+    done: int  # pages borrowed from the match
+    handed: int  # pages [0, handed) belong to the tree
+    cached: int  # prompt tokens served from cache, any tier
+    from_host: int  # of those, loaded back from L2
+    from_storage: int  # of those, read from L3
+    logical_len: int  # the match's deepest logical hit (diagnostics)
+    ready: int = 0  # the copy ticket to wait for before the next forward
+    version: int = 0  # bumped whenever `table` changes
+    loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
+    live: bool = True
+
+
+class CacheManager:
+    """Admission, growth, caching, finish and abort of requests over one PrefixCache, an
+    optional HostTier (L2) and an optional storage tier (L3: StorageTier, or the
+    simulator's SimStorage)."""
+
+    def __init__(self, cache: PrefixCache, host: HostTier | None = None,
+                 storage: Any = None, *, poison: bool = False) -> None:
+        self.cache = cache
+        self.tree = cache.tree
+        self.host = host
+        self.storage = storage
+        self.poison = poison
+        lay = cache.layout
+        self.names = lay.pool_names
+        self.page_size = lay.page_size
+        self.ckpt_rows = [i for i, p in enumerate(lay.pools)
+                          if p.retention is Retention.CHECKPOINT]
+        self.short_rows = self.tree.short_lived_rows
+        self.hold = self.tree.rule.lock_pages
+        self.leases: set[Lease] = set()
+
+    # ------------------------------------------------------------- sizing
+    def peak_pages(self, tokens: int, chunk: int) -> dict[str, int]:
+        """Per pool, the most pages one request of `tokens` positions, run in chunks of at
+        most `chunk` tokens, holds at once (its window pools need only the window, the
+        pages it keeps for its resume point and one chunk)."""
+        ps = self.page_size
+        total = -(-tokens // ps)
+        out = {}
+        for spec in self.cache.layout.pools:
+            if spec.retention is Retention.ALL or not self.tree.policy.tombstones:
+                out[spec.name] = total
+            else:
+                out[spec.name] = min(total, 2 * self.hold + -(-chunk // ps) + 1)
+        return out
+
+    def fits_ever(self, tokens: int, chunk: int) -> bool:
+        """Whether such a request fits in the device pools with nothing else cached."""
+        return all(self.cache.pools[n].num_pages >= k
+                   for n, k in self.peak_pages(tokens, chunk).items())
+
+    # -------------------------------------------------------------- admit
+    def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
+        """Start reading from storage what lies past the device and host for `tokens`
+        (engine storage only). Changes nothing in the tree."""
+        if self.storage is None or not hasattr(self.storage, "prefetch"):
+            return None
+        peek = self.cache.peek(tokens)
+        limit = (tokens.size - 1) // self.page_size
+        return self.storage.prefetch(tokens, peek.held_table, limit)
+
+    def land(self, tokens: np.ndarray, fetched: Fetched) -> int:
+        """Put stored pages on the host tier (L3 -> L2) under the tree's prefix; returns the
+        pages landed (0: no host, no room, or the tiers moved meanwhile)."""
+        if self.host is None or not fetched.pages:
+            return 0
+        write = None
+        if fetched.blobs:
+            storage, tensor = self.storage, self.cache.tensor
+
+            def write(pages: dict[str, np.ndarray]) -> None:
+                storage.write(fetched, pages, lambda name: tensor(name, 1))
+
+        ok = self.host.land(tokens, fetched.start, fetched.stop, write)
+        return fetched.pages if ok else 0
+
+    def admit(self, tokens: np.ndarray, chunk: int, fetched: Fetched | None = None,
+              landed: int = 0, length: int | None = None) -> Lease | None:
+        """Match `tokens`, lock the prefix, load back what the host holds, write stored
+        pages that extend the match (`fetched`, L3 -> L1), and allocate pages for a first
+        chunk of up to `chunk` tokens past the cached prefix (within `length`, default
+        len(tokens)). None, changing nothing, when those pages do not fit even after
+        evicting every unlocked page. `landed`: pages of the match that came from storage
+        through the host (counted as storage hits)."""
+        ps = self.page_size
+        cache = self.cache
+        m = cache.match(tokens, record=False)
+        done = m.prefix_len // ps
+        direct = fetched if (fetched is not None and fetched.pages
+                             and fetched.start == done) else None
+        resume = direct.stop if direct is not None else done
+        first_end = min(tokens.size if length is None else length, resume * ps + chunk)
+        load = self.host.load_need(m) if self.host is not None else {}
+        want = self._want(first_end, resume)
+        need = {n: want[row] - done + load.get(n, 0) for row, n in enumerate(self.names)}
+        handle = cache.lock(m)
+        if not cache.can_alloc(need):
+            cache.unlock(handle)
+            return None
+        width = max(want)
+        lease = Lease(np.full((len(self.names), width), -1, PAGE),
+                      np.zeros((len(self.names), width), dtype=bool),
+                      np.full(len(self.names), done, np.int64), handle, done, done,
+                      resume * ps, 0, 0, m.logical_len)
+        self.leases.add(lease)
+        try:
+            self.tree.record(m)
+            got = self._alloc(need)
+            assert got is not None  # checked above
+            lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
+            for row, n in enumerate(self.names):
+                mine = got[n][load.get(n, 0):]
+                lease.table[row, done:done + mine.size] = mine
+                lease.own[row, done:done + mine.size] = True
+                lease.extent[row] = done + mine.size
+            prefix = m.page_table
+            if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
+                prefix = self.host.load(m, lease.loading)
+                lease.loading = None  # the tree's now
+                self.host.after_match(m)
+            lease.loading = None
+            lease.table[:, :done] = prefix
+            if direct is not None and direct.blobs:  # L3 -> L1: bytes into its own pages
+                dst = {n: lease.table[row, done:resume] for row, n in enumerate(self.names)}
+                if self.host is not None:  # a copy may still read these (reused) pages
+                    self.host.mover.wait(self.host.ready_ticket(dst))
+                self.storage.write(direct, dst, cache.tensor)
+            from_host = done * ps - m.device_prefix_len
+            from_landed = min(landed * ps, from_host)
+            lease.from_host = from_host - from_landed
+            lease.from_storage = from_landed + (resume - done) * ps
+            lease.ready = self._ticket(lease.table)
+        except BaseException:
+            self.abort(lease)
+            raise
+        return lease
+
+    def _want(self, end: int, floor_pages: int = 0) -> list[int]:
+        """Per pool, how many logical pages a request that has reached position `end` has
+        pages for: every page touched, but only whole pages for checkpoint pools."""
+        ps = self.page_size
+        touched, whole = -(-end // ps), end // ps
+        return [max(whole if row in self.ckpt_rows else touched, floor_pages)
+                for row in range(len(self.names))]
+
+    # --------------------------------------------------------------- grow
+    def grow(self, lease: Lease, end: int) -> bool:
+        """Allocate the pages positions up to `end` need. False, changing nothing, when
+        they do not fit even after evicting every unlocked page."""
+        want = self._want(end)
+        need = {n: max(want[row] - int(lease.extent[row]), 0)
+                for row, n in enumerate(self.names)}
+        if not any(need.values()):
+            return True
+        if not self.cache.can_alloc(need):
+            return False
+        width = max(want)
+        if width > lease.table.shape[1]:
+            extra = width - lease.table.shape[1]
+            lease.table = np.concatenate(
+                (lease.table, np.full((len(self.names), extra), -1, PAGE)), axis=1)
+            lease.own = np.concatenate(
+                (lease.own, np.zeros((len(self.names), extra), dtype=bool)), axis=1)
+        got = self._alloc(need)
+        assert got is not None  # checked above
+        for row, n in enumerate(self.names):
+            lo = int(lease.extent[row])
+            lease.table[row, lo:lo + got[n].size] = got[n]
+            lease.own[row, lo:lo + got[n].size] = True
+            lease.extent[row] = lo + got[n].size
+        lease.version += 1
+        if self.host is not None:  # a backup or spill may still read these pages
+            lease.ready = max(lease.ready, self.host.ready_ticket(got))
+        return True
+
+    # -------------------------------------------------------------- cache
+    def cache_prefix(self, lease: Lease, tokens: np.ndarray | Sequence[int],
+                     computed: int) -> None:
+        """Hand the computed full pages of a running request to the tree (finished=False):
+        other requests can hit them, and its window and state pages older than the ones it
+        still reads become evictable cache. The lock moves to the new prefix."""
+        full = computed // self.page_size
+        if full <= lease.handed:
+            return
+        start = max(lease.handed - self.hold, lease.done)
+        pages = np.where(lease.own[:, start:full], lease.table[:, start:full], -1)
+        if self.hold:  # the window and state it still reads stay its own
+            pages[self.short_rows, max(full - self.hold, start) - start:] = -1
+        self._hand_over(lease, tokens, pages, start, full, finished=False)
+
+    def _hand_over(self, lease: Lease, tokens: np.ndarray | Sequence[int], pages: np.ndarray,
+                   start: int, full: int, finished: bool) -> None:
+        cache, ps = self.cache, self.page_size
+        tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
+        result = self.tree.insert(tokens, pages, start, finished=finished)
+        given = pages >= 0
+        lease.own[:, start:full][given] = False  # the tree's now (adopted, or a duplicate)
+        held = self.tree.path_table(result.node, DEVICE)[:, start:full]
+        view = lease.table[:, start:full]
+        view[given] = held[given]  # where the tree kept its own copy, read that one
+        lease.handed = max(lease.handed, full)
+        lease.version += 1
+        cache.free(result.to_free)
+        old, lease.handle = lease.handle, cache.lock(result)
+        if old is not None:
+            cache.unlock(old)
+        if self.host is not None:
+            self.host.after_insert(result.node)
+
+    # ------------------------------------------------------------- finish
+    def finish(self, lease: Lease, tokens: np.ndarray | Sequence[int], computed: int,
+               *, store: bool = True) -> None:
+        """Hand every computed full page to the tree (keeping a checkpoint at the end),
+        write what this request computed through to storage (`store`), free the rest and
+        release the lease."""
+        if not lease.live:
+            raise ValueError("lease already released")
+        ps = self.page_size
+        full = computed // ps
+        try:
+            if store and self.storage is not None:
+                loaded = lease.cached // ps  # [done, loaded) came from a tier below
+                if full > loaded:
+                    self.storage.save(np.asarray(tokens[:full * ps], dtype=np.int32), loaded,
+                                      full, {n: lease.table[row, loaded:full]
+                                             for row, n in enumerate(self.names)},
+                                      self.cache.tensor)
+            start = max(lease.handed - self.hold, lease.done)
+            if full > start or full > lease.handed:
+                pages = np.where(lease.own[:, start:full], lease.table[:, start:full], -1)
+                self._hand_over(lease, tokens, pages, start, full, finished=True)
+        finally:
+            self.abort(lease)  # whatever is still its own goes back; the lock goes
+
+    def preempt(self, lease: Lease, tokens: np.ndarray | Sequence[int], computed: int) -> None:
+        """Release a running request under memory pressure: its computed full pages join
+        the tree (so it resumes from what the cache still holds), the rest is freed."""
+        self.finish(lease, tokens, computed, store=False)
+
+    def abort(self, lease: Lease) -> None:
+        """Free the pages that are still the request's own and release its lock.
+        Idempotent; safe with copies in flight (whoever reuses a page waits for them)."""
+        if lease.loading is not None:  # allocated for a load-back the tree never took
+            loading, lease.loading = lease.loading, None
+            self.cache.free(loading)
+        if lease.own.any():
+            private = self.private(lease)
+            lease.own[:] = False
+            self.cache.free(private)
+        if lease.handle is not None:
+            handle, lease.handle = lease.handle, None
+            self.cache.unlock(handle)
+        lease.live = False
+        self.leases.discard(lease)
+
+    # -------------------------------------------------------------- pages
+    def private(self, lease: Lease) -> dict[str, np.ndarray]:
+        """The request's own pages, per pool."""
+        return {n: lease.table[row][lease.own[row]] for row, n in enumerate(self.names)}
+
+    def _alloc(self, need: dict[str, int]) -> dict[str, np.ndarray] | None:
+        got = self.cache.alloc(need)
+        if got is not None and self.poison:
+            self._poison(got)
+        return got
+
+    def _poison(self, pages: dict[str, np.ndarray]) -> None:
+        """Debug mode: fill newly allocated pages with NaN, so a request that still reads a
+        page it gave up (or one not yet copied in) cannot go unnoticed."""
+        if self.cache.pools[self.names[0]].storage is None:
+            return
+        if self.host is not None:  # copies still reading these pages from their last life
+            self.host.mover.wait(self.host.ready_ticket(pages))
+        for name, ids in pages.items():
+            data = self.cache.tensor(name)
+            if len(ids) and data.is_floating_point():
+                import torch
+
+                data[:, torch.as_tensor(np.asarray(ids, dtype=np.int64), device=data.device)] = (
+                    float("nan"))
+
+    def _ticket(self, table: np.ndarray) -> int:
+        if self.host is None:
+            return 0
+        return self.host.ready_ticket({n: table[row] for row, n in enumerate(self.names)})
+
+    # ---------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Every page has exactly one owner across the tree, the live leases and the free
+        lists, in both tiers, and the tree's own invariants hold. Raises AssertionError."""
+        held = {n: [] for n in self.names}  # type: dict[str, list[np.ndarray]]
+        for lease in self.leases:
+            assert lease.live, "a released lease is still registered"
+            for n, ids in self.private(lease).items():
+                held[n].append(ids)
+        self.cache.check_integrity(
+            held={n: np.concatenate(v) if v else np.empty(0, PAGE) for n, v in held.items()})
