@@ -7,12 +7,12 @@ the top-k gathered instead of a masked full-length matmul, the batch's compositi
 the MoE): one bfloat16 rounding (2**-8 relative) here and there in an intermediate,
 which four layers may carry into a few units in the last place of the logits. TOL
 allows 4 ulps of the largest logit; measured: at most 1 ulp (3.9e-3 at |logit| < 1),
-most rows bit-identical.
+most rows bit-identical. (Not added to conftest's LOGIT_DIFFS, whose largest value
+speaks for the float32 bar of 1e-4.)
 """
 
 import pytest
 import torch
-from conftest import LOGIT_DIFFS
 from tiny_model import reference_logits, tiny_model
 
 from shadowradix import CacheConfig, Engine, SamplingParams
@@ -43,7 +43,6 @@ def check(hf, prompt, result) -> float:
     ref = reference_logits(hf, prompt + result.output_ids)[len(prompt) - 1:len(prompt) - 1 + n]
     tol = ULPS * 2.0 ** -8 * max(1.0, ref.abs().max().item())
     diff = (ref - result.logits).abs().max().item()
-    LOGIT_DIFFS.append(diff)
     assert diff <= tol, (diff, tol)
     top2 = ref.topk(2, dim=-1).values
     clear = top2[:, 0] - top2[:, 1] > 2 * tol
