@@ -42,5 +42,10 @@ class CircuitBreaker:
         self._wait = self.backoff_s
 
     @property
+    def wait_s(self) -> float:
+        """The current back-off: how long the last failure shuts the store out."""
+        return self._wait
+
+    @property
     def is_open(self) -> bool:
         return self._open_until is not None

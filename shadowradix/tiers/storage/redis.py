@@ -72,10 +72,9 @@ class RedisBackend(StorageBackend):
             out = call()
         except self._unreachable as e:
             self.errors["unreachable"] += 1
-            if not self.breaker.is_open:
-                log.warning("storage unreachable (%s); skipping it for %.0f s", e,
-                            self.breaker.backoff_s)
             self.breaker.failed()
+            log.warning("storage unreachable (%s); skipping it for %.1f s", e,
+                        self.breaker.wait_s)
             return miss
         except self._errors_types as e:  # the server answered with an error (e.g. OOM)
             self.errors["server"] += 1
