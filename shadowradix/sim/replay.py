@@ -1,4 +1,4 @@
-"""Replay a trace through a PrefixCache: match, lock, allocate, insert, unlock.
+"""Replay a trace through the engine's CacheManager: admit, grow, cache, finish.
 
 With a HostTier (metadata-only, its copies counted by a CountingMover) the
 replay also loads host pages back before a request runs and backs pages up
@@ -14,15 +14,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.results import InsertResult, LockHandle
+from shadowradix.tiers.storage_tier import Fetched
 from shadowradix.tree.tier import HOST
 
 
@@ -81,22 +81,28 @@ class ReplayStats:
 def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output: bool = False,
            chunk_pages: int | None = None, check_every: int = 0,
            on_request: Callable[[int], None] | None = None,
-           host: HostTier | None = None, storage: SimStorage | None = None) -> ReplayStats:
-    """Drive `cache` with `requests` in order; returns counters and timings.
+           host: HostTier | None = None, storage: SimStorage | None = None,
+           per_request: list[int] | None = None) -> ReplayStats:
+    """Drive `cache` with `requests` in order, one at a time, through the engine's own
+    CacheManager; returns counters and timings.
 
     with_output: insert prompt + `output_length` synthetic output tokens (a
         conversation's next turn could resume there), not just the prompt.
-    chunk_pages: prefill in chunks of this many pages, inserting the prefix
-        after each chunk as a running engine does, so the pages that left the
-        window become evictable cache (or are freed at once, by an eager
-        policy) while the request runs. None: one step per request.
-    check_every: run `cache.check_integrity` every N requests (0: never).
+    chunk_pages: prefill in chunks of this many pages; after each chunk the computed
+        prefix joins the tree as the engine's does (`CacheManager.cache_prefix`), so the
+        pages that left the window become evictable cache (or are freed at once, by an
+        eager policy) while the request runs. None: one chunk per request.
+    check_every: run the manager's `check_integrity` every N requests (0: never).
     host: the host tier over `cache` (its pools), or None for the device alone.
     storage: the L3 store; a request first reads what lies past the device and host
         (landing on the host when there is one), and writes through what it computed.
+    per_request: if given, each request's cached prompt tokens are appended (0 when
+        refused), for comparisons request by request.
     """
     if chunk_pages is not None and chunk_pages < 1:
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+    manager = CacheManager(cache, host, storage)
+    ps = cache.layout.page_size
     st = ReplayStats(peak_pages={n: 0 for n in cache.layout.pool_names})
     next_output = OUTPUT_TOKEN_BASE
     t_start = time.perf_counter()
@@ -112,152 +118,61 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
             seq = np.concatenate([prompt, out])
         st.requests += 1
         st.prompt_tokens += prompt.size
-        st.prompt_pages += -(-prompt.size // cache.layout.page_size)
+        st.prompt_pages += -(-prompt.size // ps)
         t0 = time.perf_counter()
-        fetched, landed = (0, 0), 0
+        fetched, landed = None, 0
         if storage is not None:
-            fetched = _fetch(cache, storage, prompt)
-            if host is not None and fetched[1] > fetched[0] and host.land(prompt, *fetched):
-                landed = fetched[1] - fetched[0]
+            held = cache.peek(prompt).held_table
+            fetched = Fetched(*storage.fetch(prompt, held, (prompt.size - 1) // ps), [])
+            landed = manager.land(prompt, fetched)
+            if landed:
                 st.storage_pages["host"] += landed
-                fetched = (0, 0)  # else (no host room) the pages go straight to the device
-        m = cache.match(prompt)
-        handle = cache.lock(m)
+                fetched = None  # else (no host, or no room) the pages go straight to the device
+        chunk = chunk_pages * ps if chunk_pages else seq.size
+        lease = manager.admit(prompt, chunk, fetched, landed, length=seq.size)
         st.match_s += time.perf_counter() - t0
-        ps = cache.layout.page_size
-        from_host = m.prefix_len - m.device_prefix_len
-        direct = (fetched[1] - fetched[0]) * ps if fetched[0] * ps == m.prefix_len else 0
-        if host is not None and not _load_back(cache, host, m):
-            cache.unlock(handle)
-            st.refused += 1
-        elif _RunningRequest(cache, seq, m.prefix_len, handle, st, host).run(chunk_pages):
-            cached = m.prefix_len + direct
-            st.cached_tokens += cached
-            st.host_tokens += from_host - min(landed * ps, from_host)
-            st.storage_tokens += min(landed * ps, from_host) + direct
-            st.storage_pages["device"] += direct // ps
-            st.logical_tokens += m.logical_len
-            if storage is not None:
-                storage.save(seq, cached // ps, seq.size // ps)
+        if lease is not None and _run(manager, lease, seq, chunk, st):
+            st.cached_tokens += lease.cached
+            st.host_tokens += lease.from_host
+            st.storage_tokens += lease.from_storage
+            st.storage_pages["device"] += lease.cached // ps - lease.done
+            st.logical_tokens += lease.logical_len
+            if per_request is not None:
+                per_request.append(lease.cached)
         else:
             st.refused += 1
+            if per_request is not None:
+                per_request.append(0)
         if check_every and (i + 1) % check_every == 0:
-            cache.check_integrity(held={})
+            manager.check_integrity()
         if on_request is not None:
             on_request(i)
     st.wall_s = time.perf_counter() - t_start
     return st
 
 
-def _fetch(cache: PrefixCache, storage: SimStorage, prompt: np.ndarray) -> tuple[int, int]:
-    """What storage adds past the device and host for this prompt (see SimStorage.fetch)."""
-    held = cache.match(prompt).held_table
-    return storage.fetch(prompt, held, (prompt.size - 1) // cache.layout.page_size)
-
-
-def _load_back(cache: PrefixCache, host: HostTier, m: Any) -> bool:
-    """Device pages for the host-only part of the match, filled into the tree."""
-    need = host.load_need(m)
-    if any(need.values()):
-        got = cache.alloc(need)
-        if got is None:
-            return False
-        host.load(m, got)
-    host.after_match(m)
-    return True
-
-
-class _RunningRequest:
-    """One request from its match to its finish, in the cache's terms.
-
-    # [0, done)              borrowed from the tree by the match (locked)
-    # [done, handed)         computed, handed to the tree by an insert
-    # [handed - hold, ...)   window / state pages the request keeps for itself
-    #                        until its next insert (it still reads them)
-    # [full, total)          the partial last page: never cached, freed at finish
-    """
-
-    def __init__(self, cache: PrefixCache, seq: np.ndarray, prefix_len: int,
-                 handle: LockHandle, st: ReplayStats, host: HostTier | None = None) -> None:
-        self.cache, self.seq, self.st, self.handle, self.host = cache, seq, st, handle, host
-        lay = cache.layout
-        ps = lay.page_size
-        self.done = prefix_len // ps
-        self.full, self.total = seq.size // ps, -(-seq.size // ps)
-        self.names = lay.pool_names
-        self.short = cache.tree.short_lived_rows
-        self.ckpt = cache.tree.rule.checkpoint_names
-        self.hold = cache.tree.rule.lock_pages
-        # Own pages per pool for [done, total), -1 once handed over (or not yet allocated).
-        self.own = np.full((len(self.names), self.total - self.done), -1, dtype=np.int32)
-
-    def run(self, chunk_pages: int | None) -> bool:
-        """Serve the request; False (and nothing leaked) when the pools cannot hold it."""
-        step = chunk_pages or max(self.total - self.done, 1)
-        pos, handed = self.done, self.done
-        while pos < self.total:
-            end = min(pos + step, self.total)
-            if not self._alloc(pos, end):
-                self._abort()
-                return False
-            final = end == self.total
-            handed = self._insert(handed, min(end, self.full), final)
-            pos = end
-        if self.total == self.done:  # nothing to compute (cannot happen for a cap of len-1)
-            self.cache.unlock(self.handle)
-        return True
-
-    def _alloc(self, pos: int, end: int) -> bool:
+def _run(manager: CacheManager, lease: Lease, seq: np.ndarray, chunk: int,
+         st: ReplayStats) -> bool:
+    """Compute `seq` past the lease's cached prefix in chunks, caching each chunk's full
+    pages as a running engine does, then finish. False (nothing leaked) when the pools
+    cannot hold it."""
+    cache = manager.cache
+    end = min(lease.cached + chunk, seq.size)
+    while True:
         t0 = time.perf_counter()
-        need = {n: (min(end, self.full) - min(pos, self.full) if n in self.ckpt else end - pos)
-                for n in self.names}
-        got = self.cache.alloc(need)
-        self.st.alloc_s += time.perf_counter() - t0
-        if got is None:
+        grown = manager.grow(lease, end)
+        st.alloc_s += time.perf_counter() - t0
+        if not grown:
+            manager.abort(lease)
             return False
-        for row, n in enumerate(self.names):
-            self.own[row, pos - self.done:pos - self.done + got[n].size] = got[n]
-            self.st.peak_pages[n] = max(self.st.peak_pages[n], self.cache.pools[n].used_pages)
-        return True
-
-    def _insert(self, handed: int, upto: int, final: bool) -> int:
-        """Hand pages [handed - hold, upto) to the tree; keep the live window unless final."""
+        for n, pool in cache.pools.items():
+            st.peak_pages[n] = max(st.peak_pages[n], pool.used_pages)
         t0 = time.perf_counter()
-        cache, d = self.cache, self.done
-        start = max(handed - self.hold, d)
-        if final:  # everything goes to the tree but the partial last page
-            self._backup(cache.insert(self.seq[:upto * cache.layout.page_size],
-                                      self.own[:, start - d:upto - d], start))
-            if self.total > self.full:
-                last = self.own[:, -1]
-                cache.free({n: last[row:row + 1] for row, n in enumerate(self.names)
-                            if last[row] >= 0})
-            self.own = self.own[:, :0]
-            cache.unlock(self.handle)
-            self.st.inserted_pages += upto
-            self.st.insert_s += time.perf_counter() - t0
-            return upto
-        pages = self.own[:, start - d:upto - d].copy()
-        if self.hold:
-            pages[self.short, max(upto - self.hold, start) - start:] = -1
-        result = cache.insert(self.seq[:upto * cache.layout.page_size], pages, start,
-                              finished=False)
-        self._backup(result)
-        self.own[:, start - d:upto - d][pages >= 0] = -1
-        handle = cache.lock(result)  # lock the new prefix before letting the old go
-        cache.unlock(self.handle)
-        self.handle = handle
-        self.st.insert_s += time.perf_counter() - t0
-        return upto
-
-    def _backup(self, result: InsertResult) -> None:
-        if self.host is not None:
-            self.host.after_insert(result.node)
-
-    def _private(self) -> dict[str, np.ndarray]:
-        return {n: self.own[row][self.own[row] >= 0] for row, n in enumerate(self.names)}
-
-    def _abort(self) -> None:
-        self.cache.free(self._private())
-        self.own = self.own[:, :0]
-        self.cache.unlock(self.handle)
+        if end == seq.size:
+            manager.finish(lease, seq, end)
+            st.inserted_pages += end // cache.layout.page_size
+            st.insert_s += time.perf_counter() - t0
+            return True
+        manager.cache_prefix(lease, seq, end)
+        st.insert_s += time.perf_counter() - t0
+        end = min(end + chunk, seq.size)

@@ -43,9 +43,11 @@ class SimStorage:
             self._pages.move_to_end(h)
         return start, q
 
-    def save(self, tokens: np.ndarray, lo: int, hi: int) -> None:
+    def save(self, tokens: np.ndarray, lo: int, hi: int, pages: object = None,
+             tensor: object = None) -> None:
         """Write-through of pages [lo, hi) of `tokens`, as the engine writes what a request
-        computed (pages it got from a cache tier are not written again)."""
+        computed (pages it got from a cache tier are not written again). `pages` and
+        `tensor` (the engine's StorageTier signature) are ignored: nothing is stored."""
         if hi <= lo:
             return
         for h in page_hashes(tokens[:hi * self.page_size], self.page_size)[lo:]:

@@ -148,7 +148,10 @@ class CacheManager:
         first_end = min(tokens.size if length is None else length, resume * ps + chunk)
         load = self.host.load_need(m) if self.host is not None else {}
         want = self._want(first_end, resume)
-        need = {n: want[row] - done + load.get(n, 0) for row, n in enumerate(self.names)}
+        # Of the stored pages [done, resume), only those the resume reads go to the device.
+        stored = self.tree.rule.needed(len(self.names), resume)[:, done:]
+        need = {n: int(np.count_nonzero(stored[row])) + want[row] - resume + load.get(n, 0)
+                for row, n in enumerate(self.names)}
         handle = cache.lock(m)
         if not cache.can_alloc(need):
             cache.unlock(handle)
@@ -166,9 +169,11 @@ class CacheManager:
             lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
             for row, n in enumerate(self.names):
                 mine = got[n][load.get(n, 0):]
-                lease.table[row, done:done + mine.size] = mine
-                lease.own[row, done:done + mine.size] = True
-                lease.extent[row] = done + mine.size
+                k = int(np.count_nonzero(stored[row]))
+                lease.table[row, done:resume][stored[row]] = mine[:k]
+                lease.table[row, resume:want[row]] = mine[k:]
+                lease.own[row, done:want[row]] = lease.table[row, done:want[row]] >= 0
+                lease.extent[row] = want[row]
             prefix = m.page_table
             if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
                 prefix = self.host.load(m, lease.loading)

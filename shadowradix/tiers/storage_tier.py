@@ -101,7 +101,8 @@ class StorageTier:
     def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
               tensor: Callable[[str], Any]) -> None:
         """Copy fetched pages into pool pages: page start + i of pool p goes to
-        `pages[p][i]` of the tensor `tensor(p)` ([layers, pages, ...], any device)."""
+        `pages[p][i]` of the tensor `tensor(p)` ([layers, pages, ...], any device);
+        -1 skips a page (one the resume does not read)."""
         import torch
 
         n = len(self.names)
@@ -109,6 +110,8 @@ class StorageTier:
             name = self.names[k % n]
             data = tensor(name)
             page = int(pages[name][k // n])
+            if page < 0:
+                continue
             raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(data.dtype)
             data[:, page] = raw.view(data[:, page].shape).to(data.device)
 
