@@ -143,7 +143,11 @@ class Engine:
         every scheduled chunk, sample. Returns an output per request that produced a
         token or finished; may return nothing (e.g. while storage reads are in flight)."""
         with self._exclusive():
-            return self._step()
+            try:
+                return self._step()
+            except BaseException:
+                self.scheduler.release_orphans()  # the requests stay; a retry may succeed
+                raise
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once: its pages and locks are released, copies in flight
@@ -177,6 +181,7 @@ class Engine:
                     req = self._requests.pop(rid, None)
                     if req is not None and not req.done:
                         self.scheduler.abort(req)
+                self.scheduler.release_orphans()
                 raise
             for rid in ids:
                 self._requests.pop(rid, None)

@@ -142,29 +142,33 @@ class Scheduler:
         """Release a running request's pages (its computed full pages stay cached) and put
         it back at the head of the queue."""
         assert req.lease is not None
-        lease, computed = req.lease, req.computed
+        self.manager.preempt(req.lease, req.ids, req.computed)
         req.lease, req.kv = None, None
         self.running.remove(req)
         self.waiting.appendleft(req)
         req.computed, req.prefetch, req.landed = 0, None, 0
         self.preemptions += 1
         self._preempted_last_step = True
-        self.manager.preempt(lease, req.ids, computed)
 
     # ------------------------------------------------------------- finish
     def finish(self, req: Request) -> None:
         """Hand the request's computed pages to the cache and forget it."""
         assert req.lease is not None
-        lease, req.lease, req.kv = req.lease, None, None
+        self.manager.finish(req.lease, req.ids, req.computed)
+        req.lease, req.kv = None, None
         self.running.remove(req)
-        self.manager.finish(lease, req.ids, req.computed)
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is: free its pages, release its lock, forget it."""
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
         if req.lease is not None:
-            lease, req.lease, req.kv = req.lease, None, None
-            if req in self.running:
-                self.running.remove(req)
-            self.manager.abort(lease)
+            self.manager.abort(req.lease)
+            req.lease, req.kv = None, None
+
+    def release_orphans(self) -> int:
+        """Abort leases an exception left without a request (see CacheManager)."""
+        attached = {r.lease for r in self.running if r.lease is not None}
+        return self.manager.release_orphans(attached)

@@ -115,7 +115,11 @@ class HostTier:
                 self.cache.free(got, HOST)
             self.counts["backup_skipped"] += sum(need.values())
             return 0
-        ids = self._copy_out(self.tree.path_table(node, DEVICE), mask, got)
+        try:
+            ids = self._copy_out(self.tree.path_table(node, DEVICE), mask, got)
+        except BaseException:
+            self.cache.free(got, HOST)  # no copy was submitted: the pages go back
+            raise
         self.tree.fill(node, ids, HOST)
         self.counts["backed_up"] += sum(need.values())
         return sum(need.values())
@@ -167,8 +171,12 @@ class HostTier:
             got = cache.alloc({n: stop - start for n in self.names}, HOST)
             if got is None:
                 return False
-            if write is not None:
-                self.mover.run(lambda: write(got))
+            try:
+                if write is not None:
+                    self.mover.run(lambda: write(got))
+            except BaseException:
+                cache.free(got, HOST)
+                raise
             cache.insert(tokens[:stop * ps], np.stack([got[n] for n in self.names]), start,
                          tier=HOST)
             return True
@@ -193,5 +201,10 @@ class HostTier:
             self.counts["spill_skipped"] += sum(need.values())
             return np.full(want.shape, -1, PAGE)
         got = {name: pools[name].alloc(n) for name, n in need.items()}
+        try:
+            ids = self._copy_out(node.pages, want, got)
+        except BaseException:
+            self.cache.free(got, HOST)
+            raise
         self.counts["spilled"] += sum(need.values())
-        return self._copy_out(node.pages, want, got)
+        return ids

@@ -35,7 +35,7 @@ import numpy as np
 
 from shadowradix.layout.spec import Retention
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.node import PAGE
+from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.results import LockHandle
 from shadowradix.tree.tier import DEVICE
 
@@ -51,7 +51,7 @@ class Lease:
     table: np.ndarray  # [pools, pages] physical page of each logical page; -1: none
     own: np.ndarray  # [pools, pages] the request's own pages (freed on abort)
     extent: np.ndarray  # [pools] pages allocated so far, per pool
-    handle: LockHandle | None
+    handles: list[LockHandle]  # the lock on its prefix (two while one moves to a deeper node)
     done: int  # pages borrowed from the match
     handed: int  # pages [0, handed) belong to the tree
     cached: int  # prompt tokens served from cache, any tier
@@ -61,6 +61,7 @@ class Lease:
     ready: int = 0  # the copy ticket to wait for before the next forward
     version: int = 0  # bumped whenever `table` changes
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
+    tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
     live: bool = True
 
 
@@ -152,16 +153,20 @@ class CacheManager:
         stored = self.tree.rule.needed(len(self.names), resume)[:, done:]
         need = {n: int(np.count_nonzero(stored[row])) + want[row] - resume + load.get(n, 0)
                 for row, n in enumerate(self.names)}
-        handle = cache.lock(m)
-        if not cache.can_alloc(need):
-            cache.unlock(handle)
-            return None
         width = max(want)
         lease = Lease(np.full((len(self.names), width), -1, PAGE),
                       np.zeros((len(self.names), width), dtype=bool),
-                      np.full(len(self.names), done, np.int64), handle, done, done,
+                      np.full(len(self.names), done, np.int64), [], done, done,
                       resume * ps, 0, 0, m.logical_len)
-        self.leases.add(lease)
+        self.leases.add(lease)  # registered before any state changes: abort undoes them
+        try:
+            lease.handles.append(cache.lock(m))
+            if not cache.can_alloc(need):
+                self.abort(lease)
+                return None
+        except BaseException:
+            self.abort(lease)
+            raise
         try:
             self.tree.record(m)
             got = self._alloc(need)
@@ -254,17 +259,25 @@ class CacheManager:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
         result = self.tree.insert(tokens, pages, start, finished=finished)
-        given = pages >= 0
-        lease.own[:, start:full][given] = False  # the tree's now (adopted, or a duplicate)
+        lease.tail = result.node
         held = self.tree.path_table(result.node, DEVICE)[:, start:full]
-        view = lease.table[:, start:full]
-        view[given] = held[given]  # where the tree kept its own copy, read that one
+        given = pages >= 0
+        adopted = given & (held == pages)
+        own, view = lease.own[:, start:full], lease.table[:, start:full]
+        own[adopted] = False  # the tree's now
         lease.handed = max(lease.handed, full)
         lease.version += 1
-        cache.free(result.to_free)
-        old, lease.handle = lease.handle, cache.lock(result)
-        if old is not None:
-            cache.unlock(old)
+        # The rest it did not adopt (it holds its own copy, or an eager policy dropped
+        # ours): they stay the lease's until freed, then it reads the tree's copy.
+        dups = given & ~adopted
+        if np.count_nonzero(dups):
+            cache.free({n: pages[row][dups[row]] for row, n in enumerate(self.names)})
+            own[dups] = False
+            view[dups] = held[dups]
+        lease.handles.append(cache.lock(result))
+        while len(lease.handles) > 1:  # the older lock goes only once the new one holds
+            cache.unlock(lease.handles[0])
+            lease.handles.pop(0)
         if self.host is not None:
             self.host.after_insert(result.node)
 
@@ -305,14 +318,26 @@ class CacheManager:
             loading, lease.loading = lease.loading, None
             self.cache.free(loading)
         if lease.own.any():
-            private = self.private(lease)
+            self.cache.free(self.private(lease))
             lease.own[:] = False
-            self.cache.free(private)
-        if lease.handle is not None:
-            handle, lease.handle = lease.handle, None
-            self.cache.unlock(handle)
+        while lease.handles:
+            handle = lease.handles[-1]
+            if not handle.released:
+                self.cache.unlock(handle)
+            lease.handles.pop()
+        if lease.tail is not None:  # a prefix inserted without its window, lock never taken
+            tail, lease.tail = lease.tail, None
+            self.cache.prune(tail)
         lease.live = False
         self.leases.discard(lease)
+
+    def release_orphans(self, attached: set[Lease]) -> int:
+        """Abort every lease not in `attached` (an exception left it without a request);
+        returns how many. The engine runs this after a failed step."""
+        orphans = [lease for lease in self.leases if lease not in attached]
+        for lease in orphans:
+            self.abort(lease)
+        return len(orphans)
 
     # -------------------------------------------------------------- pages
     def private(self, lease: Lease) -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from shadowradix.layout.spec import KVLayout
 from shadowradix.pool.allocator import PAGE_DTYPE, PagePool
+from shadowradix.tree.node import Node
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.radix import ShadowRadix
 from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult, Peek
@@ -97,8 +98,13 @@ class PrefixCache:
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock; a prefix left with no resume point in any tier goes at once."""
         self.tree.unlock(handle)
-        if handle.node.full_lock == 0:
-            self._free_evicted(self.tree.prune(handle.node))
+        self.prune(handle.node)
+
+    def prune(self, node: Node) -> None:
+        """Drop `node` (and ancestors) while it is an unlocked leaf no tier can resume
+        from, freeing its pages; anything else stays."""
+        if node.full_lock == 0:
+            self._free_evicted(self.tree.prune(node))
 
     # ---------------------------------------------------------- allocation
     def can_alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> bool:
