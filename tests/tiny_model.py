@@ -1,5 +1,5 @@
 """Tiny random DeepSeek-V4 models that stay faithful (DESIGN.md §1) and a driver that
-runs requests through the tree and pools, for differential tests against transformers."""
+runs requests through the CacheManager, for differential tests against transformers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from shadowradix.layout import deepseek_v4
 from shadowradix.model import DeepseekV4Runner, PagedStorage, RequestKV
 from shadowradix.model.tiny import CSA, HCA, SWA, tiny_deepseek_v4
 from shadowradix.tiers import PrefixCache
+from shadowradix.tiers.manager import CacheManager
 
 
 def tiny_model(layer_types: list[str] | None = None, window: int = 8, hca_ratio: int = 16,
@@ -25,12 +26,14 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 class Driver:
-    """match -> lock -> allocate -> prefill in chunks -> insert -> unlock, on real storage."""
+    """A request's life through the CacheManager on real storage: admit, then per chunk grow,
+    forward and cache the computed prefix (the window it left joins the tree), then finish."""
 
     def __init__(self, model, page_size: int = 16, pages: int = 64) -> None:
         self.model = model
         self.layout = deepseek_v4(model.config, page_size=page_size, dtype="float32")
         self.cache = PrefixCache(self.layout, pages, device="cpu")
+        self.manager = CacheManager(self.cache, poison=True)
         pools = {name: pool.storage for name, pool in self.cache.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(model.config.layer_types))
@@ -38,35 +41,23 @@ class Driver:
 
     def run(self, tokens: list[int], chunks: list[int] | None = None) -> tuple[torch.Tensor, int]:
         """Logits for positions [cached, len) and the cached length."""
-        ps = self.layout.page_size
-        cache = self.cache
-        m = cache.match(tokens)
-        handle = cache.lock(m)
-        done, full, total = m.prefix_len // ps, len(tokens) // ps, -(-len(tokens) // ps)
-        got = cache.alloc({p.name: (full if p.ratio is None else total) - done
-                           for p in self.layout.pools})
-        assert got is not None, "pools too small"
-        tables = {}
-        for row, spec in enumerate(self.layout.pools):
-            table = np.full(total, -1, dtype=np.int64)
-            table[:done] = m.page_table[row]
-            table[done:done + got[spec.name].size] = got[spec.name]
-            tables[spec.name] = torch.from_numpy(table)
-        req = RequestKV(tables)
-        self.runner.resume(self.store, req, done)
-        pos, outs = m.prefix_len, []
-        for size in chunks or [len(tokens)]:
-            if pos >= len(tokens):
-                break
-            end = min(pos + size, len(tokens))
+        sizes = list(chunks or [len(tokens)])
+        arr = np.asarray(tokens, dtype=np.int32)
+        lease = self.manager.admit(arr, sizes[0])
+        assert lease is not None, "pools too small"
+        req = RequestKV({})
+        pos, outs, first = lease.cached, [], True
+        while pos < len(tokens):
+            end = min(pos + (sizes.pop(0) if sizes else len(tokens)), len(tokens))
+            assert self.manager.grow(lease, end), "pools too small"
+            req.page_tables = {name: torch.from_numpy(lease.table[row].astype(np.int64))
+                               for row, name in enumerate(self.layout.pool_names)}
+            if first:
+                self.runner.resume(self.store, req, lease.cached // self.layout.page_size)
+                first = False
             outs.append(self.runner.forward(torch.tensor(tokens[pos:end]), pos, self.store, req))
             pos = end
-        if pos < len(tokens):
-            outs.append(self.runner.forward(torch.tensor(tokens[pos:]), pos, self.store, req))
-        own = np.stack([tables[p.name][done:full].numpy().astype(np.int32)
-                        for p in self.layout.pools])
-        cache.insert(tokens, own, done)
-        cache.free({p.name: tables[p.name][full:].numpy().astype(np.int32)
-                    for p in self.layout.pools if p.ratio is not None and total > full})
-        cache.unlock(handle)
-        return torch.cat(outs), m.prefix_len
+            if pos < len(tokens):
+                self.manager.cache_prefix(lease, arr, pos)
+        self.manager.finish(lease, arr, len(tokens))
+        return torch.cat(outs), lease.cached
