@@ -150,7 +150,8 @@ class CacheManager:
         load = self.host.load_need(m) if self.host is not None else {}
         want = self._want(first_end, resume)
         # Of the stored pages [done, resume), only those the resume reads go to the device.
-        stored = self.tree.rule.needed(len(self.names), resume)[:, done:]
+        stored = (self.tree.rule.needed(len(self.names), resume)[:, done:] if resume > done
+                  else np.zeros((len(self.names), 0), dtype=bool))
         need = {n: int(np.count_nonzero(stored[row])) + want[row] - resume + load.get(n, 0)
                 for row, n in enumerate(self.names)}
         width = max(want)
@@ -171,17 +172,20 @@ class CacheManager:
             self.tree.record(m)
             got = self._alloc(need)
             assert got is not None  # checked above
-            lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
+            if load:
+                lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
             for row, n in enumerate(self.names):
-                mine = got[n][load.get(n, 0):]
-                k = int(np.count_nonzero(stored[row]))
-                lease.table[row, done:resume][stored[row]] = mine[:k]
+                mine = got[n][load[n]:] if load.get(n) else got[n]
+                k = 0
+                if resume > done:
+                    k = int(np.count_nonzero(stored[row]))
+                    lease.table[row, done:resume][stored[row]] = mine[:k]
                 lease.table[row, resume:want[row]] = mine[k:]
-                lease.own[row, done:want[row]] = lease.table[row, done:want[row]] >= 0
-                lease.extent[row] = want[row]
+            lease.own[:, done:] = lease.table[:, done:] >= 0
+            lease.extent[:] = want
             prefix = m.page_table
             if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
-                prefix = self.host.load(m, lease.loading)
+                prefix = self.host.load(m, lease.loading or {})
                 lease.loading = None  # the tree's now
                 self.host.after_match(m)
             lease.loading = None
@@ -259,25 +263,28 @@ class CacheManager:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
         result = self.tree.insert(tokens, pages, start, finished=finished)
-        lease.tail = result.node
-        held = self.tree.path_table(result.node, DEVICE)[:, start:full]
+        lease.tail = None if finished else result.node  # finished: it ends at a checkpoint
         given = pages >= 0
-        adopted = given & (held == pages)
+        # Pages it did not adopt (it holds its own copy, or an eager policy dropped ours)
+        # stay the lease's until freed; then the request reads the tree's copy.
+        dups = np.zeros_like(given)
+        for row, n in enumerate(self.names):
+            if result.to_free[n].size:
+                dups[row] = given[row] & np.isin(pages[row], result.to_free[n])
         own, view = lease.own[:, start:full], lease.table[:, start:full]
-        own[adopted] = False  # the tree's now
+        own[given & ~dups] = False  # the tree's now
         lease.handed = max(lease.handed, full)
         lease.version += 1
-        # The rest it did not adopt (it holds its own copy, or an eager policy dropped
-        # ours): they stay the lease's until freed, then it reads the tree's copy.
-        dups = given & ~adopted
         if np.count_nonzero(dups):
+            held = self.tree.path_table(result.node, DEVICE)[:, start:full]
             cache.free({n: pages[row][dups[row]] for row, n in enumerate(self.names)})
             own[dups] = False
             view[dups] = held[dups]
-        lease.handles.append(cache.lock(result))
-        while len(lease.handles) > 1:  # the older lock goes only once the new one holds
-            cache.unlock(lease.handles[0])
-            lease.handles.pop(0)
+        if not finished:  # it keeps running over the new prefix: the lock moves there
+            lease.handles.append(cache.lock(result))
+            while len(lease.handles) > 1:  # the older lock goes only once the new one holds
+                cache.unlock(lease.handles[0])
+                lease.handles.pop(0)
         if self.host is not None:
             self.host.after_insert(result.node)
 

@@ -96,15 +96,14 @@ class PrefixCache:
         return self.tree.lock(target.node)
 
     def unlock(self, handle: LockHandle) -> None:
-        """Release a lock; a prefix left with no resume point in any tier goes at once."""
         self.tree.unlock(handle)
-        self.prune(handle.node)
 
     def prune(self, node: Node) -> None:
         """Drop `node` (and ancestors) while it is an unlocked leaf no tier can resume
         from, freeing its pages; anything else stays."""
-        if node.full_lock == 0:
-            self._free_evicted(self.tree.prune(node))
+        result = self.tree.prune(node)
+        if result is not None:
+            self._free_evicted(result)
 
     # ---------------------------------------------------------- allocation
     def can_alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> bool:
@@ -161,11 +160,13 @@ class PrefixCache:
 
     def _free_evicted(self, result: EvictResult) -> None:
         for name, pages in result.freed.items():
-            self.pools[name].free(pages)
-            self.evicted[name] += pages.size
+            if pages.size:
+                self.pools[name].free(pages)
+                self.evicted[name] += pages.size
         for name, pages in result.freed_host.items():
-            self.host_pools[name].free(pages)
-            self.evicted_host[name] += pages.size
+            if pages.size:
+                self.host_pools[name].free(pages)
+                self.evicted_host[name] += pages.size
 
     def flush(self, tier: int = DEVICE) -> None:
         """Drop every unlocked page the tree holds in `tier`."""

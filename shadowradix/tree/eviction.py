@@ -82,13 +82,14 @@ class Eviction:
                 self._evict_leaves(tier, row, num_pages - got, freed)
         return self._evict_result(freed)
 
-    def prune(self, node: Node) -> EvictResult:
+    def prune(self, node: Node) -> EvictResult | None:
         """Remove `node` and unlocked ancestors while each is a leaf no tier can resume
         from (a running request's prefix, inserted without its live window, once the
-        request is gone). The caller frees the pages in the result."""
+        request is gone). The caller frees the pages in the result; None: nothing went."""
+        if not node.alive or node is self.root or node.children or node.full_lock:
+            return None
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
-        if node.alive and node is not self.root:
-            self._drop_dead_leaf(node, freed)
+        self._drop_dead_leaf(node, freed)
         return self._evict_result(freed)
 
     def _evict_result(self, freed: Freed) -> EvictResult:
@@ -241,9 +242,10 @@ class Eviction:
         pinned = self._pinned[tier]
         for row in self.full_pin_rows:
             pinned[row] += step * int(np.count_nonzero(mask[row]))
-        locked = node.window_lock > 0
-        for row in self.window_pin_rows:
-            pinned[row] += step * int(np.count_nonzero(mask[row] & locked))
+        if self.window_pin_rows:
+            locked = node.window_lock > 0
+            for row in self.window_pin_rows:
+                pinned[row] += step * int(np.count_nonzero(mask[row] & locked))
 
     def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         present = node.slot(tier)[row] >= 0

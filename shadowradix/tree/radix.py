@@ -80,6 +80,9 @@ class ShadowRadix(Eviction):
         tomb = self.policy.tombstones
         self.full_pin_rows = (list(self.rule.all_rows) if tomb else list(range(self.n_pools)))
         self.window_pin_rows = self.short_lived_rows if tomb else []
+        # One tier with tombstones: ALL rows are never tombstoned, so a node's full pin is
+        # n_pages in each of them (no need to look at its shadows).
+        self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
         self._init_eviction()
 
@@ -351,14 +354,23 @@ class ShadowRadix(Eviction):
             node = node.parent
 
     def _pin(self, node: Node, cols: np.ndarray | None, step: int) -> None:
-        """Pinned counts as a node's full lock (cols None) or some window locks turn."""
-        rows = self.full_pin_rows if cols is None else self.window_pin_rows
+        """Pinned counts as a node's full lock (cols None) or some window locks turn.
+        Plain loops: this runs for every node a lock walks, on arrays of a few pages."""
+        if cols is None:
+            if self._whole_full_pin:
+                pinned, n = self._pinned[0], step * node.n_pages
+                for row in self.full_pin_rows:
+                    pinned[row] += n
+                return
+            for tier in range(self.tiers):
+                slot, pinned = node.slot(tier), self._pinned[tier]
+                for row in self.full_pin_rows:
+                    pinned[row] += step * int(np.count_nonzero(slot[row] >= 0))
+            return
         for tier in range(self.tiers):
-            slot = node.slot(tier)
-            pinned = self._pinned[tier]
-            for row in rows:
-                present = slot[row] >= 0 if cols is None else (slot[row] >= 0) & cols
-                pinned[row] += step * int(np.count_nonzero(present))
+            slot, pinned = node.slot(tier), self._pinned[tier]
+            for row in self.window_pin_rows:
+                pinned[row] += step * int(np.count_nonzero(slot[row, cols] >= 0))
 
     def evictable(self, pool: str, tier: int = DEVICE) -> int:
         """Pages of `pool` in `tier` that eviction can let go now (held and not pinned by a
