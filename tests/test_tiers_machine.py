@@ -71,8 +71,8 @@ class TieredMachine(CacheMachine):
     def revisit(self, data: st.DataObject) -> None:
         """Evict a finished sequence from the device, then send it again (a host hit)."""
         tokens = data.draw(st.sampled_from(self.inserted))
-        self.cache.evict(data.draw(st.sampled_from(self.layout.pool_names)),
-                         data.draw(st.integers(1, 8)))
+        self.host.evict_device(data.draw(st.sampled_from(self.layout.pool_names)),
+                               data.draw(st.integers(1, 8)))
         self._admit(tokens + data.draw(st.lists(st.integers(0, 3), max_size=5)))
 
     @precondition(lambda self: self.inserted)
@@ -101,7 +101,7 @@ class TieredMachine(CacheMachine):
         load = self.host.load_need(m)
         need = {p.name: (full if p.ratio is None else total) - done + load.get(p.name, 0)
                 for p in self.layout.pools}
-        got = cache.alloc(need)
+        got = self.host.alloc_device(need)
         if got is None:
             cache.unlock(handle)
             return
@@ -158,6 +158,17 @@ class TieredMachine(CacheMachine):
 
     @precondition(lambda self: self.bounded)
     @rule(data=st.data(), n=st.integers(0, 6))
+    def evict(self, data: st.DataObject, n: int) -> None:
+        """Device pressure through the host tier (write-back copies what it drops)."""
+        self.host.evict_device(data.draw(st.sampled_from(self.layout.pool_names)), n)
+
+    @precondition(lambda self: self.bounded)
+    @rule()
+    def flush(self) -> None:
+        self.host.flush_device()
+
+    @precondition(lambda self: self.bounded)
+    @rule(data=st.data(), n=st.integers(0, 6))
     def evict_host(self, data: st.DataObject, n: int) -> None:
         self.cache.evict(data.draw(st.sampled_from(self.layout.pool_names)), n, HOST)
 
@@ -169,7 +180,7 @@ class TieredMachine(CacheMachine):
     def teardown(self) -> None:
         while self.open:
             self._release(self.open.pop())
-        self.cache.flush(DEVICE)
+        self.host.flush_device()
         self.cache.flush(HOST)
         for pool in self.cache.host_pools.values():
             assert pool.free_pages == pool.num_pages, f"host pool {pool.name!r} leaked pages"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage_tier import StorageTier
 from shadowradix.tree.tier import DEVICE, HOST
@@ -14,9 +15,11 @@ TIERS = ("device", "host", "storage")
 class CacheControl:
     """`engine.cache`: operations on the cache tiers."""
 
-    def __init__(self, cache: PrefixCache, storage: StorageTier | None) -> None:
+    def __init__(self, cache: PrefixCache, storage: StorageTier | None,
+                 host: HostTier | None = None) -> None:
         self._cache = cache
         self._storage = storage
+        self._host = host
 
     def flush(self, tiers: str | Sequence[str] = ("device",)) -> None:
         """Drop every unlocked page from the named tiers ("device", "host", "storage"; a
@@ -38,7 +41,10 @@ class CacheControl:
         if "storage" in tiers and self._storage is None:
             raise ValueError("this engine has no storage tier (CacheConfig.storage = None)")
         if "device" in tiers:
-            self._cache.flush(DEVICE)
+            if self._host is not None:  # write-back moves what it can to the host first
+                self._host.flush_device()
+            else:
+                self._cache.flush(DEVICE)
         if "host" in tiers:
             self._cache.flush(HOST)
         if "storage" in tiers:

@@ -75,7 +75,7 @@ class Engine:
         self.manager = CacheManager(self._prefix, self.host, self.storage,
                                     poison=config.debug_poison)
         self.scheduler = Scheduler(self.manager, step_tokens)
-        self.cache = CacheControl(self._prefix, self.storage)
+        self.cache = CacheControl(self._prefix, self.storage, self.host)
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
             "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,

@@ -13,7 +13,9 @@ in order) or by a request whose ready ticket covers that copy.
 Write policies (CacheConfig.write_policy):
     write_through            back up every page the tree adopts, at insert
     write_through_selective  back up a node once matches reached it `hit_threshold` times
-    write_back               back up a node's device pages only when eviction drops them
+    write_back               back up a node's device pages only when eviction drops them:
+                             device allocation and eviction go through `alloc_device` /
+                             `evict_device`, which reserve host room, evict, and copy
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.results import MatchResult
+from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.tier import DEVICE, HOST
 
 if TYPE_CHECKING:
@@ -54,9 +57,6 @@ class HostTier:
         # Per device page, the last ticket whose copy reads or writes it (0: none).
         self.busy = {name: np.zeros(pool.num_pages, np.int64)
                      for name, pool in cache.pools.items()}
-        if write_policy == "write_back":
-            self.tree.spill = self._spill
-            cache.before_device_evict = self._make_room
 
     # ------------------------------------------------------------ load-back
     def load_need(self, match: MatchResult) -> dict[str, int]:
@@ -184,27 +184,62 @@ class HostTier:
             cache.unlock(handle)
 
     # ------------------------------------------------------------ write-back
-    def _make_room(self, short: int) -> None:
-        """write_back, called by the cache before a device allocation evicts `short`
-        pages of some pool: free that many host pages per pool for what the eviction
-        will spill (the spill itself never evicts: it runs inside eviction)."""
-        for name in self.names:
-            lack = short - self.cache.host_pools[name].free_pages
-            if lack > 0:
-                self.cache.evict(name, lack, HOST)
-
-    def _spill(self, node: Node, want: np.ndarray) -> np.ndarray:
-        """The tree's spill hook: copy the pages eviction drops to free host pages."""
-        need = {name: int(np.count_nonzero(want[row])) for row, name in enumerate(self.names)}
-        pools = self.cache.host_pools
-        if any(not pools[name].can_alloc(n) for name, n in need.items()):
-            self.counts["spill_skipped"] += sum(need.values())
-            return np.full(want.shape, -1, PAGE)
-        got = {name: pools[name].alloc(n) for name, n in need.items()}
+    def alloc_device(self, need: Mapping[str, int]) -> dict[str, np.ndarray] | None:
+        """Device pages, as `PrefixCache.alloc`; under write-back the pages its eviction
+        drops are copied to the host first (the host evicts its own LRU for room). None,
+        changing nothing, when free plus evictable device pages fall short."""
+        cache = self.cache
+        if self.write_policy != "write_back":
+            return cache.alloc(need)
+        if not cache.can_alloc(need):
+            return None
+        # Leaf eviction frees every pool of a node at once: room for the largest shortfall
+        # in every pool.
+        short = max((n - cache.pools[name].free_pages for name, n in need.items()), default=0)
+        if short <= 0:
+            return cache.alloc(need)
+        room = self._reserve(short, evict=True)
         try:
-            ids = self._copy_out(node.pages, want, got)
-        except BaseException:
-            self.cache.free(got, HOST)
-            raise
-        self.counts["spilled"] += sum(need.values())
-        return ids
+            return cache.alloc(need, DEVICE, room)
+        finally:
+            self._settle(room)
+
+    def evict_device(self, pool: str, num_pages: int) -> int:
+        """`PrefixCache.evict` on the device; under write-back what it drops goes to free
+        host pages first (no host eviction). Returns the pages of `pool` that left."""
+        if self.write_policy != "write_back":
+            return self.cache.evict(pool, num_pages)
+        room = self._reserve(0, evict=False)
+        try:
+            return self.cache.evict(pool, num_pages, DEVICE, room)
+        finally:
+            self._settle(room)
+
+    def flush_device(self) -> None:
+        """Drop every unlocked device page (write-back: into free host pages first)."""
+        for name in self.names:
+            self.evict_device(name, self.cache.pools[name].num_pages + 1)
+
+    def _reserve(self, pages: int, evict: bool) -> SpillRoom:
+        """A room over the host pools for eviction to move device pages into; with
+        `evict`, the host first lets its own LRU pages go until `pages` per pool are free."""
+        host = self.cache.host_pools
+        if evict:
+            for name in self.names:
+                lack = pages - host[name].free_pages
+                if lack > 0:
+                    self.cache.evict(name, lack, HOST)
+        return SpillRoom(self.names, host)
+
+    def _settle(self, room: SpillRoom) -> None:
+        """Copy what eviction moved into the room's host pages (before anything reuses the
+        device pages: their copy tickets make the next owner wait)."""
+        if room.moves:
+            by_pool: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+            for row, dev, host in room.moves:
+                by_pool.setdefault(row, []).append((dev, host))
+            self._submit([(self.names[row], DEVICE, np.concatenate([d for d, _ in pairs]),
+                           np.concatenate([h for _, h in pairs]))
+                          for row, pairs in by_pool.items()])
+            self.counts["spilled"] += sum(h.size for _, _, h in room.moves)
+        self.counts["spill_skipped"] += room.skipped

@@ -352,7 +352,7 @@ class CacheManager:
         return {n: lease.table[row][lease.own[row]] for row, n in enumerate(self.names)}
 
     def _alloc(self, need: dict[str, int]) -> dict[str, np.ndarray] | None:
-        got = self.cache.alloc(need)
+        got = self.cache.alloc(need) if self.host is None else self.host.alloc_device(need)
         if got is not None and self.poison:
             self._poison(got)
         return got

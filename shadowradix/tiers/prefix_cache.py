@@ -10,7 +10,7 @@ HostTier does (tiers/host_tier.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from shadowradix.tree.node import Node
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.radix import ShadowRadix
 from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult, Peek
+from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.stats import TreeStats
 from shadowradix.tree.tier import DEVICE, HOST
 
@@ -64,9 +65,6 @@ class PrefixCache:
                                      None if device is None else "cpu", pin_memory=cuda)
         self.evicted = {name: 0 for name in layout.pool_names}
         self.evicted_host = {name: 0 for name in layout.pool_names}
-        # Called with the largest per-pool shortfall before a device allocation evicts
-        # (write-back makes host room there for what the eviction will spill).
-        self.before_device_evict: Callable[[int], None] | None = None
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
 
     @property
@@ -113,8 +111,10 @@ class PrefixCache:
         return all(pools[name].free_pages + tree.evictable(name, tier) >= n
                    for name, n in need.items() if n > 0)
 
-    def alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> dict[str, np.ndarray] | None:
-        """Pages of one tier, evicting unlocked cache of that tier where a pool is short.
+    def alloc(self, need: Mapping[str, int], tier: int = DEVICE,
+              room: SpillRoom | None = None) -> dict[str, np.ndarray] | None:
+        """Pages of one tier, evicting unlocked cache of that tier where a pool is short
+        (device pages the eviction drops move into `room`'s host pages: write-back).
 
         Checks first: returns None, changing nothing, when free plus evictable pages do
         not cover some pool (`can_alloc`).
@@ -122,14 +122,10 @@ class PrefixCache:
         if not self.can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
-        if tier == DEVICE and self.before_device_evict is not None:
-            short = max((n - pools[name].free_pages for name, n in need.items()), default=0)
-            if short > 0:
-                self.before_device_evict(short)
         for name, n in need.items():  # evicting one pool never shrinks another's free list
             short = n - pools[name].free_pages
             if short > 0:
-                self.evict(name, short, tier)
+                self.evict(name, short, tier, room)
         if any(not pools[name].can_alloc(n) for name, n in need.items()):
             raise AssertionError(f"eviction delivered less than evictable() promised for {need}")
         return {name: pools[name].alloc(n) for name, n in need.items()}
@@ -149,11 +145,12 @@ class PrefixCache:
         self.free(result.to_free, tier)
         return result
 
-    def evict(self, pool: str, num_pages: int, tier: int = DEVICE) -> int:
+    def evict(self, pool: str, num_pages: int, tier: int = DEVICE,
+              room: SpillRoom | None = None) -> int:
         """Evict at least `num_pages` of `pool` from `tier` if possible; returns how many of
-        `pool` left that tier."""
+        `pool` left that tier. With `room`, dropped device pages move to its host pages."""
         t0 = time.perf_counter()
-        result = self.tree.evict(pool, num_pages, tier)
+        result = self.tree.evict(pool, num_pages, tier, room)
         self._free_evicted(result)
         self.evict_seconds += time.perf_counter() - t0
         return (result.freed_host if tier == HOST else result.freed)[pool].size
@@ -168,11 +165,11 @@ class PrefixCache:
                 self.host_pools[name].free(pages)
                 self.evicted_host[name] += pages.size
 
-    def flush(self, tier: int = DEVICE) -> None:
-        """Drop every unlocked page the tree holds in `tier`."""
+    def flush(self, tier: int = DEVICE, room: SpillRoom | None = None) -> None:
+        """Drop every unlocked page the tree holds in `tier` (device pages into `room`)."""
         pools = self.tier_pools(tier)
         for name in self.layout.pool_names:
-            self.evict(name, pools[name].num_pages + 1, tier)
+            self.evict(name, pools[name].num_pages + 1, tier, room)
 
     # ---------------------------------------------------------- inspection
     def check_integrity(self, held: Mapping[str, np.ndarray] | None = None) -> None:

@@ -5,6 +5,7 @@ from shadowradix.tree.policy import POLICIES, CheckpointPolicy, periodic
 from shadowradix.tree.radix import ShadowRadix, as_tokens
 from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult, Peek
 from shadowradix.tree.rules import MatchRule
+from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.stats import PoolCounts, TreeStats
 from shadowradix.tree.tier import DEVICE, HOST, Tier
 
@@ -22,6 +23,7 @@ __all__ = [
     "Peek",
     "PoolCounts",
     "ShadowRadix",
+    "SpillRoom",
     "Tier",
     "TreeStats",
     "as_tokens",

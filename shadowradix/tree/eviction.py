@@ -3,12 +3,10 @@
 ALL pools lose whole unlocked leaves of a tier; WINDOW / CHECKPOINT pools are
 tombstoned page by page, loose pages before kept checkpoints, least recently
 used first. The tree's state (nodes, counts, locks) is ShadowRadix's: this class
-owns only the LRU heaps and the write-back hook, and is mixed into the tree.
+owns only the LRU heaps, and is mixed into the tree.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 
@@ -18,11 +16,9 @@ from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.results import EvictResult
 from shadowradix.tree.rules import MatchRule
+from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.tier import DEVICE, HOST
 
-# spill(node, mask) -> host page ids [pools, n] (-1 where none): write-back's hook, called
-# with the device pages eviction is about to drop that have no host copy.
-Spill = Callable[[Node, np.ndarray], np.ndarray]
 Freed = list[list[list[np.ndarray]]]  # [tier][pool row] -> arrays of page ids let go
 
 
@@ -45,7 +41,6 @@ class Eviction:
     def _init_eviction(self) -> None:
         """Per tier: leaves, and per short-lived pool the nodes with pages outside /
         inside kept checkpoints. Each heap has its own bit in Node.queued."""
-        self.spill: Spill | None = None
         bits = 1 + 2 * self.n_pools
         self._leaves = [LRUHeap(t * bits) for t in range(self.tiers)]
         self._loose = [{row: LRUHeap(t * bits + 1 + 2 * row) for row in self.short_lived_rows}
@@ -53,7 +48,8 @@ class Eviction:
         self._kept = [{row: LRUHeap(t * bits + 2 + 2 * row) for row in self.short_lived_rows}
                       for t in range(self.tiers)]
 
-    def evict(self, pool: str, num_pages: int, tier: int = DEVICE) -> EvictResult:
+    def evict(self, pool: str, num_pages: int, tier: int = DEVICE,
+              room: SpillRoom | None = None) -> EvictResult:
         """Let at least `num_pages` pages of `pool` go from `tier`, if that many are unlocked.
 
         ALL pools (and every pool when tombstones are off) lose whole unlocked
@@ -63,8 +59,9 @@ class Eviction:
         WINDOW / CHECKPOINT pools are tombstoned page by page, least recently
         used first, pages outside kept checkpoints before those inside. A leaf
         left with no checkpoint to resume from in any tier is removed too.
-        Locked pages stay in both tiers. With a `spill` hook (write-back), device
-        pages without a host copy are offered to the host before they go.
+        Locked pages stay in both tiers. With a `room` (write-back), device pages
+        without a host copy take host pages from it before they go (a node keeps its
+        data, host-only); the moves are recorded in the room for the caller to copy.
         evict(_, 0) is a no-op. The result lists every page let go, in every pool
         and both tiers.
         """
@@ -77,9 +74,9 @@ class Eviction:
             if row in self._loose[tier] and self.policy.tombstones:
                 for kept in (False, True):
                     if got < num_pages:
-                        got += self._tombstone(tier, row, kept, num_pages - got, freed)
+                        got += self._tombstone(tier, row, kept, num_pages - got, freed, room)
             if got < num_pages and (row not in self._loose[tier] or not self.policy.tombstones):
-                self._evict_leaves(tier, row, num_pages - got, freed)
+                self._evict_leaves(tier, row, num_pages - got, freed, room)
         return self._evict_result(freed)
 
     def prune(self, node: Node) -> EvictResult | None:
@@ -98,7 +95,7 @@ class Eviction:
         return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
 
     def _tombstone(self, tier: int, row: int, kept: bool, want: int,
-                   freed: Freed) -> int:
+                   freed: Freed, room: SpillRoom | None) -> int:
         heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
         for node in heap.oldest(lambda n: self._has(n, tier, row, kept)):
@@ -106,8 +103,8 @@ class Eviction:
             mask = (slot[row] >= 0) & (node.window_lock == 0)
             mask &= node.keep[row] if kept else ~node.keep[row]
             if np.count_nonzero(mask):
-                if tier == DEVICE:
-                    self._spill(node, row, mask)
+                if tier == DEVICE and room is not None:
+                    self._spill(node, row, mask, room)
                 pages = slot[row, mask]
                 slot[row, mask] = -1
                 self._held[tier][row] -= pages.size
@@ -124,7 +121,7 @@ class Eviction:
         return got
 
     def _evict_leaves(self, tier: int, row: int, want: int,
-                      freed: Freed) -> None:
+                      freed: Freed, room: SpillRoom | None) -> None:
         got, skipped = 0, []
         heap = self._leaves[tier]
         wanted = ((lambda n: not n.children) if self.tiers == 1 else
@@ -135,8 +132,8 @@ class Eviction:
                 skipped.append(node)
                 continue
             got += int(np.count_nonzero(node.slot(tier)[row] >= 0))
-            if tier == DEVICE and self.spill is not None:
-                self._spill(node, None, node.pages >= 0)
+            if tier == DEVICE and room is not None:
+                self._spill(node, None, node.pages >= 0, room)
             if self.tiers == 1:
                 self._remove_leaf(node, freed)
             elif not node.children and not self._resident(node, self.tiers - 1 - tier):
@@ -151,10 +148,9 @@ class Eviction:
         for node in skipped:
             heap.add(node)
 
-    def _spill(self, node: Node, row: int | None, mask: np.ndarray) -> None:
-        """Write-back: offer device pages `mask` (one row or [pools, n]) to the host."""
-        if self.spill is None:
-            return
+    def _spill(self, node: Node, row: int | None, mask: np.ndarray, room: SpillRoom) -> None:
+        """Write-back: device pages `mask` (one row or [pools, n]) the host lacks take
+        host pages from `room` before they go."""
         host = node.slot(HOST)
         want = np.zeros(node.pages.shape, dtype=bool)
         if row is None:
@@ -164,10 +160,11 @@ class Eviction:
         want &= host < 0
         if not np.count_nonzero(want):
             return
-        got = np.asarray(self.spill(node, want), dtype=PAGE)
-        put = want & (got >= 0)
-        host[put] = got[put]
-        self._count(put, +1, HOST, node)
+        got = room.take(node.pages, want)
+        if got is None:
+            return
+        host[want] = got[want]
+        self._count(want, +1, HOST, node)
         self._enqueue(node)
 
     def _drop_tier(self, node: Node, tier: int, freed: Freed) -> None:
