@@ -1,0 +1,94 @@
+"""Check, then act: refusals and look-ahead change nothing (issue: one owner of a
+request's cache life). Each of these failed on the code before the CacheManager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import serve, tiny_layout
+
+from shadowradix.sim.replay import CountingMover
+from shadowradix.tiers import PrefixCache
+from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.manager import CacheManager
+
+PS = 4
+
+
+def test_an_allocation_that_cannot_fit_evicts_nothing():
+    """10 pages holding one cached sequence: alloc(11) is refused and the sequence still
+    hits (it used to evict everything first, then fail)."""
+    cache = PrefixCache(tiny_layout(PS), 10)
+    tokens = list(range(33))  # 8 full pages + 1
+    serve(cache, tokens)
+    before = cache.match(tokens, record=False).prefix_len
+    assert before == 32
+    assert cache.alloc({p.name: 11 for p in cache.layout.pools}) is None
+    assert cache.match(tokens).prefix_len == before
+    assert sum(cache.evicted.values()) == 0
+
+
+def test_a_refused_admission_keeps_the_cache():
+    cache = PrefixCache(tiny_layout(PS), 10)
+    manager = CacheManager(cache)
+    tokens = np.arange(33, dtype=np.int32)
+    lease = manager.admit(tokens, chunk=33)
+    assert lease is not None
+    manager.finish(lease, tokens, 33)
+    held = cache.tree.stats().as_dict()
+    assert manager.admit(np.arange(100, 160, dtype=np.int32), chunk=60) is None
+    assert cache.tree.stats().as_dict() == held
+    assert manager.admit(tokens, chunk=4).cached == 32  # type: ignore[union-attr]
+
+
+def test_peek_changes_nothing_and_selective_backup_counts_only_real_matches():
+    """Look-ahead (where a storage read should start, whether a request fits) must not
+    count as a hit: write_through_selective backs a prefix up after 2 real matches."""
+    layout = tiny_layout(PS)
+    cache = PrefixCache(layout, 32, host_pages=32)
+    host = HostTier(cache, CountingMover(layout.page_bytes()),  # type: ignore[arg-type]
+                    "write_through_selective", hit_threshold=2)
+    manager = CacheManager(cache, host)
+    tokens = np.arange(41, dtype=np.int32)
+    lease = manager.admit(tokens, chunk=41)
+    manager.finish(lease, tokens, 41)  # type: ignore[arg-type]
+    hits = [n.hits for n in cache.tree.nodes()]
+    for _ in range(5):
+        cache.peek(tokens)
+        manager.prefetch(tokens)
+    assert [n.hits for n in cache.tree.nodes()] == hits
+    assert host.counts["backed_up"] == 0
+    for expect_backup in (False, True):
+        lease = manager.admit(tokens, chunk=1)
+        assert lease is not None and lease.cached == 40
+        manager.abort(lease)
+        assert (host.counts["backed_up"] > 0) is expect_backup
+
+
+def test_grow_refusal_changes_nothing_and_preempt_keeps_the_prefix():
+    cache = PrefixCache(tiny_layout(PS), 13)
+    manager = CacheManager(cache)
+    a, b = np.arange(30, dtype=np.int32), np.arange(100, 140, dtype=np.int32)
+    la = manager.admit(a, chunk=16)  # 4 pages per pool
+    lb = manager.admit(b, chunk=24)  # 6
+    assert la is not None and lb is not None
+    manager.cache_prefix(la, a, 16)
+    free = {n: p.free_pages for n, p in cache.pools.items()}
+    assert not manager.grow(la, 30)  # 4 more: b holds too many
+    assert {n: p.free_pages for n, p in cache.pools.items()} == free
+    manager.preempt(lb, b, 16)
+    assert manager.grow(la, 30)
+    manager.finish(la, a, 30)
+    again = manager.admit(b, chunk=8)
+    assert again is not None and again.cached == 16  # resumes where it was preempted
+    manager.abort(again)
+    manager.check_integrity()
+    assert not manager.leases
+
+
+@pytest.mark.parametrize("bad", [1.5, True, 0])
+def test_step_tokens_must_be_a_positive_int(bad):
+    from shadowradix.engine.scheduler import Scheduler
+
+    with pytest.raises(ValueError, match="step_tokens"):
+        Scheduler(CacheManager(PrefixCache(tiny_layout(PS), 4)), bad)
