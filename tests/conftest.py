@@ -5,7 +5,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def redis_server(tmp_path):  # type: ignore[no-untyped-def]
+    """A real Valkey on 127.0.0.1 (an ephemeral port), resumed if a test paused it, and
+    stopped after the test."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    yield server
+    server.resume()
+    server.stop()
 
 STEPS: dict[str, int] = {}
 LOGIT_DIFFS: list[float] = []  # every differential check against transformers

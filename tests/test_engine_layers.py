@@ -1,19 +1,14 @@
 """Layer mixes without CSA layers (so without a state pool) resume from the cache exactly."""
 
 import pytest
-import torch
 from conftest import LOGIT_DIFFS
+from test_engine import rand_tokens
 from tiny_model import HCA, SWA, reference_logits, tiny_model
 
 from shadowradix import CacheConfig, Engine, SamplingParams
 
 TOL = 1e-4
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
 def check(model, prompt, result) -> None:

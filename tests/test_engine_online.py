@@ -35,6 +35,11 @@ def drain(eng: Engine, results: dict, streams: dict | None = None) -> None:
         eng.check_integrity()
 
 
+def submit(eng: Engine, prompts: list[list[int]], p: SamplingParams) -> dict[str, list[int]]:
+    """Add each prompt (logits kept); request id -> prompt."""
+    return {eng.add_request(prompt, p, return_logits=True): prompt for prompt in prompts}
+
+
 def assert_pools_full(eng: Engine) -> None:
     eng.cache.flush(tiers=("device",))
     for name, pool in eng._prefix.pools.items():
@@ -44,10 +49,7 @@ def assert_pools_full(eng: Engine) -> None:
 def test_requests_join_between_steps_stream_and_abort_mid_decode(model):
     eng = online(model)
     p = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    prompts = {}
-    for i in range(3):
-        prompt = rand_tokens(30 + 7 * i, 100 + i)
-        prompts[eng.add_request(prompt, p, return_logits=True)] = prompt
+    prompts = submit(eng, [rand_tokens(30 + 7 * i, 100 + i) for i in range(3)], p)
     results: dict = {}
     streams: dict = {}
     for _ in range(4):
@@ -60,9 +62,8 @@ def test_requests_join_between_steps_stream_and_abort_mid_decode(model):
     eng.abort(victim)  # idempotent
     eng.check_integrity()
     shared = prompts[next(iter(list(prompts)[1:]))]
-    for i in range(2):  # join mid-run; one shares a running request's prefix
-        prompt = shared[:32] + rand_tokens(9 + i, 200 + i) if i else rand_tokens(50, 300)
-        prompts[eng.add_request(prompt, p, return_logits=True)] = prompt
+    # Two join mid-run; one shares a running request's prefix.
+    prompts.update(submit(eng, [rand_tokens(50, 300), shared[:32] + rand_tokens(10, 201)], p))
     drain(eng, results, streams)
     assert victim not in results and set(results) == set(prompts) - {victim}
     for rid, r in results.items():
@@ -105,10 +106,7 @@ def test_more_requests_than_the_device_holds_finish_exact_with_preemptions(model
     and resume from what the cache still holds; none raises, all are exact."""
     eng = online(model, step_tokens=48, device_tokens=384)
     p = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    prompts = {}
-    for i in range(8):
-        prompt = rand_tokens(20 + 3 * i, 400 + i)
-        prompts[eng.add_request(prompt, p, return_logits=True)] = prompt
+    prompts = submit(eng, [rand_tokens(20 + 3 * i, 400 + i) for i in range(8)], p)
     results: dict = {}
     drain(eng, results)
     assert eng.stats()["preemptions"] > 0

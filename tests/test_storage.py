@@ -151,15 +151,6 @@ def test_file_backend_behaves_like_a_dict(tmp_path_factory, ops):
     assert fs.bytes_stored == sum(len(encode(k, v)) for k, v in model.items())
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
-
-
 def test_redis_roundtrip_and_misses(redis_server):
     rs = open_storage(redis_server.url)
     assert rs.batch_set([(key(1), b"one"), (key(2), b"two" * 1000)]) == [True, True]

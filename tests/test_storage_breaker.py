@@ -17,16 +17,6 @@ def key(i: int) -> str:
     return object_key("ns", "c4", i.to_bytes(16, "little"))
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path)
-    yield server
-    server.resume()
-    server.stop()
-
-
 def test_the_breaker_opens_backs_off_and_closes():
     now = [0.0]
     b = CircuitBreaker(backoff_s=2.0, max_backoff_s=5.0, clock=lambda: now[0])

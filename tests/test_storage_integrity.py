@@ -23,15 +23,6 @@ def model():
     return tiny_model()
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
-
-
 def test_swapped_files_are_wrong_key_misses(tmp_path):
     fs = FileBackend(tmp_path)
     fs.batch_set([(key(1), b"a" * 100), (key(2), b"b" * 100)])
