@@ -55,13 +55,15 @@ class Scheduler:
 
     # -------------------------------------------------------------- admit
     def admit(self) -> None:
-        """Admit waiting requests in arrival order; stop at the first that does not fit, or
-        whose storage read is still in flight while others can run. After a step that
-        preempted, admit nothing new until a step runs without preempting."""
+        """Admit waiting requests in arrival order while this step's token budget has room
+        for them; stop at the first that does not fit, or whose storage read is still in
+        flight while others can run. After a step that preempted, admit nothing new until a
+        step runs without preempting."""
         if self._preempted_last_step and self.running:
             return
         manager = self.manager
-        while self.waiting:
+        budget = self._budget_left()
+        while self.waiting and (budget > 0 or not self.running):
             req = self.waiting[0]
             tokens = np.asarray(req.ids, dtype=np.int32)
             fetched = self._prefetched(req, tokens)
@@ -71,11 +73,19 @@ class Scheduler:
                 landed = manager.land(tokens, fetched)
                 if landed:  # L3 -> L2: the match sees it (else it goes to the device)
                     req.landed, req.prefetch, fetched = landed, _USED, None
-            lease = manager.admit(tokens, self.step_tokens, fetched, req.landed)
+            chunk = max(budget, 1) if self.running else self.step_tokens
+            lease = manager.admit(tokens, chunk, fetched, req.landed)
             if lease is None:
                 return  # waits for running requests to finish or cache pages
             self.waiting.popleft()
             self._start(req, lease)
+            budget -= len(req.ids) - req.computed
+
+    def _budget_left(self) -> int:
+        """Tokens of this step's budget the running requests will not use: admitting more
+        than the step can feed only holds pages that the running ones need to grow."""
+        used = sum(len(r.ids) - r.computed for r in self.running)
+        return self.step_tokens - used
 
     def _start(self, req: Request, lease: Lease) -> None:
         req.lease, req.kv, req.kv_version = lease, RequestKV({}), -1

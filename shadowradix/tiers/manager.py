@@ -59,6 +59,7 @@ class Lease:
     from_storage: int  # of those, read from L3
     logical_len: int  # the match's deepest logical hit (diagnostics)
     ready: int = 0  # the copy ticket to wait for before the next forward
+    grown_to: int = 0  # positions [0, grown_to) have every page they need
     version: int = 0  # bumped whenever `table` changes
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
     tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
@@ -183,6 +184,7 @@ class CacheManager:
                 lease.table[row, resume:want[row]] = mine[k:]
             lease.own[:, done:] = lease.table[:, done:] >= 0
             lease.extent[:] = want
+            lease.grown_to = first_end
             prefix = m.page_table
             if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
                 prefix = self.host.load(m, lease.loading or {})
@@ -217,10 +219,13 @@ class CacheManager:
     def grow(self, lease: Lease, end: int) -> bool:
         """Allocate the pages positions up to `end` need. False, changing nothing, when
         they do not fit even after evicting every unlocked page."""
+        if end <= lease.grown_to:  # most decode steps: the page is already there
+            return True
         want = self._want(end)
         need = {n: max(want[row] - int(lease.extent[row]), 0)
                 for row, n in enumerate(self.names)}
         if not any(need.values()):
+            lease.grown_to = end
             return True
         if not self.cache.can_alloc(need):
             return False
@@ -239,6 +244,7 @@ class CacheManager:
             lease.own[row, lo:lo + got[n].size] = True
             lease.extent[row] = lo + got[n].size
         lease.version += 1
+        lease.grown_to = end
         if self.host is not None:  # a backup or spill may still read these pages
             lease.ready = max(lease.ready, self.host.ready_ticket(got))
         return True
