@@ -8,6 +8,8 @@ exact against transformers (pages are poisoned when handed out, so a stale page 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from test_engine import check, rand_tokens
 from tiny_model import tiny_model
@@ -17,6 +19,7 @@ from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.radix import ShadowRadix
+from shadowradix.tree.tier import DEVICE
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
@@ -39,18 +42,20 @@ def model():
     return tiny_model()
 
 
-@pytest.mark.parametrize("nth", [1, 3])
-@pytest.mark.parametrize("owner,method", STEPS, ids=[f"{o.__name__}.{m}" for o, m in STEPS])
-def test_an_exception_at_any_step_leaves_no_trace(model, monkeypatch, owner, method, nth):
-    step = 8 if method == "preempt" else 24  # small chunks: decodes outgrow the device
+def turn_two(model, policy: str, step: int):
+    """An engine whose device lost turn one (the host holds it), and turn two's prompts."""
     eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=128, host_tokens=1024,
-                                            debug_poison=True), step_tokens=step)
+                                            write_policy=policy, debug_poison=True),
+                         step_tokens=step)
     convs = [rand_tokens(40 + 6 * i, 900 + i) for i in range(3)]
     outs = eng.generate(convs, P)
     turn2 = [c + o.output_ids + rand_tokens(20, 950 + i)
              for i, (c, o) in enumerate(zip(convs, outs, strict=True))]
     eng.cache.flush(tiers=("device",))  # turn 2 loads back from the host
+    return eng, turn2
 
+
+def fail_at(monkeypatch, owner, method: str, nth: int) -> None:
     original = getattr(owner, method)
     calls = [0]
 
@@ -61,14 +66,9 @@ def test_an_exception_at_any_step_leaves_no_trace(model, monkeypatch, owner, met
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, method, failing)
-    raised = False
-    try:
-        eng.generate(turn2, P)
-    except Injected:
-        raised = True
-    monkeypatch.setattr(owner, method, original)
-    if nth == 1:
-        assert raised, f"{owner.__name__}.{method} was never called"
+
+
+def assert_clean_and_exact(model, eng, turn2) -> None:
     assert not eng.has_unfinished()
     eng.check_integrity()
     assert not eng.manager.leases
@@ -81,3 +81,41 @@ def test_an_exception_at_any_step_leaves_no_trace(model, monkeypatch, owner, met
         for name, pool in tier.items():
             assert pool.free_pages == pool.num_pages, f"{name}: pages leaked"
     eng.close()
+
+
+@pytest.mark.parametrize("nth", [1, 3])
+@pytest.mark.parametrize("owner,method", STEPS, ids=[f"{o.__name__}.{m}" for o, m in STEPS])
+def test_an_exception_at_any_step_leaves_no_trace(model, monkeypatch, owner, method, nth):
+    step = 8 if method == "preempt" else 24  # small chunks: decodes outgrow the device
+    eng, turn2 = turn_two(model, "write_through", step)
+    fail_at(monkeypatch, owner, method, nth)
+    with pytest.raises(Injected) if nth == 1 else contextlib.nullcontext():
+        try:
+            eng.generate(turn2, P)
+        except Injected:
+            if nth == 1:
+                raise
+    monkeypatch.undo()
+    assert_clean_and_exact(model, eng, turn2)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_write_back_copy_that_never_starts_leaves_no_host_shadow(model, monkeypatch, nth):
+    """Under write-back, eviction records host copies before they are submitted; when the
+    submission fails, those host shadows go (they would serve pages never written)."""
+    eng, turn2 = turn_two(model, "write_back", 24)
+    submit, spills = HostTier._submit, [0]
+
+    def failing(self, copies):
+        if any(tier == DEVICE for _, tier, _, _ in copies):  # device -> host: a spill
+            spills[0] += 1
+            if spills[0] == nth:
+                raise Injected(f"spill copy {nth}")
+        return submit(self, copies)
+
+    monkeypatch.setattr(HostTier, "_submit", failing)
+    with contextlib.suppress(Injected):
+        eng.generate(turn2, P)
+    monkeypatch.undo()
+    assert spills[0] >= nth, "the spill never failed"
+    assert_clean_and_exact(model, eng, turn2)

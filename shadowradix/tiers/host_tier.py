@@ -200,9 +200,17 @@ class HostTier:
             return cache.alloc(need)
         room = self._reserve(short, evict=True)
         try:
-            return cache.alloc(need, DEVICE, room)
-        finally:
+            got = cache.alloc(need, DEVICE, room)
+        except BaseException:
             self._settle(room)
+            raise
+        try:
+            self._settle(room)
+        except BaseException:
+            if got is not None:  # nobody will own them
+                cache.free(got)
+            raise
+        return got
 
     def evict_device(self, pool: str, num_pages: int) -> int:
         """`PrefixCache.evict` on the device; under write-back what it drops goes to free
@@ -238,8 +246,12 @@ class HostTier:
             by_pool: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
             for row, dev, host in room.moves:
                 by_pool.setdefault(row, []).append((dev, host))
-            self._submit([(self.names[row], DEVICE, np.concatenate([d for d, _ in pairs]),
-                           np.concatenate([h for _, h in pairs]))
-                          for row, pairs in by_pool.items()])
+            try:
+                self._submit([(self.names[row], DEVICE, np.concatenate([d for d, _ in pairs]),
+                               np.concatenate([h for _, h in pairs]))
+                              for row, pairs in by_pool.items()])
+            except BaseException:  # no copy will come: the host shadows must not claim it
+                self.cache.release(self.tree.unspill(room))
+                raise
             self.counts["spilled"] += sum(h.size for _, _, h in room.moves)
         self.counts["spill_skipped"] += room.skipped

@@ -101,7 +101,7 @@ class PrefixCache:
         from, freeing its pages; anything else stays."""
         result = self.tree.prune(node)
         if result is not None:
-            self._free_evicted(result)
+            self.release(result)
 
     # ---------------------------------------------------------- allocation
     def can_alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> bool:
@@ -151,11 +151,12 @@ class PrefixCache:
         `pool` left that tier. With `room`, dropped device pages move to its host pages."""
         t0 = time.perf_counter()
         result = self.tree.evict(pool, num_pages, tier, room)
-        self._free_evicted(result)
+        self.release(result)
         self.evict_seconds += time.perf_counter() - t0
         return (result.freed_host if tier == HOST else result.freed)[pool].size
 
-    def _free_evicted(self, result: EvictResult) -> None:
+    def release(self, result: EvictResult) -> None:
+        """Free the pages an eviction (or prune / unspill) let go, in both tiers."""
         for name, pages in result.freed.items():
             if pages.size:
                 self.pools[name].free(pages)

@@ -89,6 +89,26 @@ class Eviction:
         self._drop_dead_leaf(node, freed)
         return self._evict_result(freed)
 
+    def unspill(self, room: SpillRoom) -> EvictResult:
+        """Undo what a room recorded (its copies were never submitted): the host cells it
+        filled hold no data, so they go, with any node left resident nowhere. The caller
+        frees the pages in the result (the host pages of the room included)."""
+        freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        for node, cells in room.cells:
+            if not node.alive:
+                continue
+            host = node.slot(HOST)
+            for row in range(self.n_pools):
+                pages = host[row][cells[row] & (host[row] >= 0)]
+                if pages.size:
+                    freed[HOST][row].append(pages)
+            self._count(cells & (host >= 0), -1, HOST, node)
+            host[cells] = -1
+            self._drop_dead_leaf(node, freed)
+        room.cells.clear()
+        room.moves.clear()
+        return self._evict_result(freed)
+
     def _evict_result(self, freed: Freed) -> EvictResult:
         out = [{p.name: (np.concatenate(f[i]) if f[i] else np.empty(0, PAGE))
                 for i, p in enumerate(self.layout.pools)} for f in freed]
@@ -160,7 +180,7 @@ class Eviction:
         want &= host < 0
         if not np.count_nonzero(want):
             return
-        got = room.take(node.pages, want)
+        got = room.take(node, want)
         if got is None:
             return
         host[want] = got[want]

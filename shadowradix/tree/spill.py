@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shadowradix.tree.node import PAGE
+from shadowradix.tree.node import PAGE, Node
 
 
 class HostPages(Protocol):
@@ -33,11 +33,13 @@ class SpillRoom:
         self.names = list(names)
         self._pools = [pools[n] for n in self.names]
         self.moves: list[tuple[int, np.ndarray, np.ndarray]] = []  # (row, device, host)
+        self.cells: list[tuple[Node, np.ndarray]] = []  # (node, host cells filled)
         self.skipped = 0  # device pages dropped without a copy (no room left)
 
-    def take(self, node_pages: np.ndarray, want: np.ndarray) -> np.ndarray | None:
+    def take(self, node: Node, want: np.ndarray) -> np.ndarray | None:
         """Host ids for the `want` cells of a node's device table, laid out like it (-1
         elsewhere), recording the moves; None (taking nothing) when some pool lacks room."""
+        node_pages = node.pages
         counts = [int(k) for k in np.count_nonzero(want, axis=1)]
         if not all(pool.can_alloc(k) for pool, k in zip(self._pools, counts, strict=True)):
             self.skipped += sum(counts)
@@ -48,4 +50,5 @@ class SpillRoom:
                 host = np.asarray(self._pools[row].alloc(k), dtype=PAGE)
                 ids[row, want[row]] = host
                 self.moves.append((row, node_pages[row, want[row]].copy(), host))
+        self.cells.append((node, want.copy()))
         return ids
