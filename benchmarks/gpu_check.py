@@ -8,6 +8,10 @@
    same device (TF32 off).
 2. L2 -> L1 load-back through the StreamMover (pinned host pools, a copy stream) as a
    ratio to one raw pinned host -> device copy of the same bytes.
+3. The online core on the device: requests added between steps, one aborted mid-decode,
+   decodes that outgrow a small device (preemption) and a window pool smaller than the
+   sequences, pages poisoned as they are handed out, write-back spills; every output
+   against transformers, `check_integrity` after every step.
 """
 
 from __future__ import annotations
@@ -60,6 +64,40 @@ def exactness(device: torch.device, workdir: Path) -> dict:
     return out
 
 
+def online(device: torch.device) -> dict:
+    model = tiny_model().to(device)
+    out = {}
+    for policy in ("write_through", "write_back"):
+        eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=256,
+                                                window_tokens=128, host_tokens=1024,
+                                                write_policy=policy, debug_poison=True),
+                             step_tokens=32)
+        p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        prompts = {eng.add_request(t, p, return_logits=True): t
+                   for t in (rand_tokens(30 + 5 * i, 500 + i) for i in range(6))}
+        results, steps, victim = {}, 0, next(iter(prompts))
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    results[o.request_id] = o.result
+            steps += 1
+            if steps == 6:
+                eng.abort(victim)
+                late = rand_tokens(45, 600)
+                prompts[eng.add_request(late, p, return_logits=True)] = late
+            eng.check_integrity()
+        diffs = []
+        for rid, r in results.items():
+            t, n = prompts[rid], len(r.output_ids)
+            ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
+            diffs.append((ref.cpu() - r.logits).abs().max().item())
+        st = eng.stats()
+        eng.close()
+        out[policy] = {"max_logit_diff": max(diffs), "finished": len(results),
+                       "preemptions": st["preemptions"], "steps": steps}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
@@ -70,13 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result = {"device": str(device), "torch": torch.__version__,
                   "exactness": exactness(device, Path(tmp)),
+                  "online": online(device),
                   "loadback": loadback_ratio(str(device))}
     ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
+    ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
+                    for v in result["online"].values())
     result["ok"] = ok
     print(f"device {device}")
     for key, v in result["exactness"].items():
         tiers = v["cached_by_tier"][0]
         print(f"  {key:26} max |logit diff| {v['max_logit_diff']:.1e}; first request {tiers}")
+    for key, v in result["online"].items():
+        print(f"  online {key:19} max |logit diff| {v['max_logit_diff']:.1e}; {v['finished']} "
+              f"finished, {v['preemptions']} preemptions in {v['steps']} steps")
     lb = result["loadback"]
     for case in ("consecutive", "scattered"):
         print(f"  load-back {case:11} {lb[case]['ratio']:.2f}x raw ({lb[case]['GBps']:.1f} vs "
