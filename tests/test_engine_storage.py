@@ -177,3 +177,24 @@ def test_stored_pages_too_many_for_the_host_go_straight_to_the_device(model, tmp
     assert r.cached_by_tier == {"device": 0, "host": 0, "storage": 64}
     check(model, turn2, r)
     eng.close()
+
+
+def test_pages_stored_from_a_running_request_hold_their_own_data(model, tmp_path):
+    """A long prompt runs in chunks while the window pages it left behind are evicted and
+    handed to other requests (a 6-page window pool, pages poisoned as they are handed out);
+    what it wrote through must still be its own data: a fresh engine sharing only an early
+    part of it resumes from storage exactly."""
+    url = f"file://{tmp_path / 'l3'}"
+    first = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048,
+                                              window_tokens=96, storage=url,
+                                              debug_poison=True), step_tokens=32)
+    long = rand_tokens(200, 41)
+    first.generate([long] + [rand_tokens(150, 42 + i) for i in range(3)], P)
+    assert first.stats()["pools"]["swa"]["evicted"] > 0
+    first.close()
+    second = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048, storage=url))
+    branch = long[:100] + rand_tokens(20, 60)
+    r = second.generate([branch], P, return_logits=True)[0]
+    assert r.cached_by_tier["storage"] == 96
+    check(model, branch, r)
+    second.close()

@@ -60,6 +60,7 @@ class Lease:
     logical_len: int  # the match's deepest logical hit (diagnostics)
     ready: int = 0  # the copy ticket to wait for before the next forward
     grown_to: int = 0  # positions [0, grown_to) have every page they need
+    stored: int = 0  # pages [0, stored) are in storage or came from a cache tier
     version: int = 0  # bumped whenever `table` changes
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
     tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
@@ -159,7 +160,7 @@ class CacheManager:
         lease = Lease(np.full((len(self.names), width), -1, PAGE),
                       np.zeros((len(self.names), width), dtype=bool),
                       np.full(len(self.names), done, np.int64), [], done, done,
-                      resume * ps, 0, 0, m.logical_len)
+                      resume * ps, 0, 0, m.logical_len, stored=resume)
         self.leases.add(lease)  # registered before any state changes: abort undoes them
         try:
             lease.handles.append(cache.lock(m))
@@ -190,7 +191,6 @@ class CacheManager:
                 prefix = self.host.load(m, lease.loading or {})
                 lease.loading = None  # the tree's now
                 self.host.after_match(m)
-            lease.loading = None
             lease.table[:, :done] = prefix
             if direct is not None and direct.blobs:  # L3 -> L1: bytes into its own pages
                 dst = {n: lease.table[row, done:resume] for row, n in enumerate(self.names)}
@@ -254,10 +254,12 @@ class CacheManager:
                      computed: int) -> None:
         """Hand the computed full pages of a running request to the tree (finished=False):
         other requests can hit them, and its window and state pages older than the ones it
-        still reads become evictable cache. The lock moves to the new prefix."""
+        still reads become evictable cache. The lock moves to the new prefix. With storage,
+        the pages are written through first."""
         full = computed // self.page_size
         if full <= lease.handed:
             return
+        self._write_through(lease, tokens, full)
         start = max(lease.handed - self.hold, lease.done)
         pages = np.where(lease.own[:, start:full], lease.table[:, start:full], -1)
         if self.hold:  # the window and state it still reads stay its own
@@ -298,26 +300,34 @@ class CacheManager:
     def finish(self, lease: Lease, tokens: np.ndarray | Sequence[int], computed: int,
                *, store: bool = True) -> None:
         """Hand every computed full page to the tree (keeping a checkpoint at the end),
-        write what this request computed through to storage (`store`), free the rest and
-        release the lease."""
+        write what this request computed and did not write yet through to storage
+        (`store`), free the rest and release the lease."""
         if not lease.live:
             raise ValueError("lease already released")
         ps = self.page_size
         full = computed // ps
         try:
-            if store and self.storage is not None:
-                loaded = lease.cached // ps  # [done, loaded) came from a tier below
-                if full > loaded:
-                    self.storage.save(np.asarray(tokens[:full * ps], dtype=np.int32), loaded,
-                                      full, {n: lease.table[row, loaded:full]
-                                             for row, n in enumerate(self.names)},
-                                      self.cache.tensor)
+            if store:
+                self._write_through(lease, tokens, full)
             start = max(lease.handed - self.hold, lease.done)
             if full > start or full > lease.handed:
                 pages = np.where(lease.own[:, start:full], lease.table[:, start:full], -1)
                 self._hand_over(lease, tokens, pages, start, full, finished=True)
         finally:
             self.abort(lease)  # whatever is still its own goes back; the lock goes
+
+    def _write_through(self, lease: Lease, tokens: np.ndarray | Sequence[int],
+                       full: int) -> None:
+        """Store the computed full pages not stored yet (L3 write-through), while they are
+        still the request's own: once handed to the tree, a window page may be evicted and
+        handed to another request, so its bytes must be copied before that."""
+        if self.storage is None or full <= lease.stored:
+            return
+        ps, lo = self.page_size, lease.stored
+        self.storage.save(np.asarray(tokens[:full * ps], dtype=np.int32), lo, full,
+                          {n: lease.table[row, lo:full] for row, n in enumerate(self.names)},
+                          self.cache.tensor)
+        lease.stored = full
 
     def preempt(self, lease: Lease, tokens: np.ndarray | Sequence[int], computed: int) -> None:
         """Release a running request under memory pressure: its computed full pages join
