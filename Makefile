@@ -26,7 +26,8 @@ test: install
 	$(BIN)/python -m pytest
 
 test-long: install
-	SHADOWRADIX_HYPOTHESIS_SCALE=20 $(BIN)/python -m pytest tests/test_tree_machine.py tests/test_tiers_machine.py
+	SHADOWRADIX_HYPOTHESIS_SCALE=20 $(BIN)/python -m pytest tests/test_tree_machine.py tests/test_tiers_machine.py \
+		tests/test_manager_machine.py
 
 bench: install
 	mkdir -p out

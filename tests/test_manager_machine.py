@@ -41,6 +41,7 @@ class ManagerMachine(RuleBasedStateMachine):
     policy = CheckpointPolicy()
     pages = 16
     host_pages: int | None = None
+    write_policy = "write_through"
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,7 +51,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.host_pages is not None:
             self.host_content: list[dict[int, int]] = [{} for _ in self.layout.pools]
             mover = ContentMover([self.content, self.host_content], self.layout.pool_names)
-            host = HostTier(self.cache, mover, "write_through")  # type: ignore[arg-type]
+            host = HostTier(self.cache, mover, self.write_policy)  # type: ignore[arg-type]
         self.manager = CacheManager(self.cache, host)
         self.running: list[Running] = []
         self.history: list[list[int]] = []
@@ -115,7 +116,11 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), n=st.integers(1, 6))
     def evict(self, data: st.DataObject, n: int) -> None:
-        self.cache.evict(data.draw(st.sampled_from(self.layout.pool_names)), n)
+        pool = data.draw(st.sampled_from(self.layout.pool_names))
+        if self.manager.host is not None:  # write-back copies what it drops
+            self.manager.host.evict_device(pool, n)
+        else:
+            self.cache.evict(pool, n)
 
     @precondition(lambda self: self.host_pages is not None)
     @rule(data=st.data(), n=st.integers(1, 6))
@@ -161,9 +166,11 @@ class ManagerMachine(RuleBasedStateMachine):
         STEPS[type(self).__name__] = STEPS.get(type(self).__name__, 0) + max(self.steps, 0)
         while self.running:
             self.manager.abort(self.running.pop().lease)
-        self.cache.flush()
-        if self.host_pages is not None:
+        if self.manager.host is not None:
+            self.manager.host.flush_device()
             self.cache.flush(HOST)
+        else:
+            self.cache.flush()
         self.manager.check_integrity()
         for tier in ([self.cache.pools] + ([self.cache.host_pools] if self.host_pages else [])):
             for pool in tier.values():
@@ -182,6 +189,10 @@ class HostManagerMachine(ManagerMachine):
     host_pages = 12
 
 
+class WriteBackManagerMachine(HostManagerMachine):
+    write_policy = "write_back"
+
+
 def _case(machine: type, runs: int) -> type:
     case = machine.TestCase
     case.settings = steps(runs)
@@ -192,3 +203,4 @@ TestManager = _case(ManagerMachine, 150)
 TestEagerManager = _case(EagerManagerMachine, 40)
 TestNoShadowsManager = _case(NoShadowsManagerMachine, 40)
 TestHostManager = _case(HostManagerMachine, 60)
+TestWriteBackManager = _case(WriteBackManagerMachine, 60)

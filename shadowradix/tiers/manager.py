@@ -171,7 +171,7 @@ class CacheManager:
             self.abort(lease)
             raise
         try:
-            self.tree.record(m)
+            self.cache.record(m)
             got = self._alloc(need)
             assert got is not None  # checked above
             if load:

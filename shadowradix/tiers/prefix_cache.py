@@ -83,7 +83,20 @@ class PrefixCache:
 
     # --------------------------------------------------------------- reuse
     def match(self, tokens: Sequence[int] | np.ndarray, *, record: bool = True) -> MatchResult:
-        return self.tree.match_prefix(tokens, record=record)
+        """The tree's match (see ShadowRadix.match_prefix); a node tail its splits left
+        with no resume point goes at once."""
+        m = self.tree.match_prefix(tokens, record=False)
+        if m.tail is not None:
+            self.prune(m.tail)
+        if record:
+            self.record(m)
+        return m
+
+    def record(self, m: MatchResult) -> None:
+        """Count a match that goes ahead (see ShadowRadix.record), pruning as `match`."""
+        tail = self.tree.record(m)
+        if tail is not None:
+            self.prune(tail)
 
     def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
         """A match without side effects (see ShadowRadix.peek)."""

@@ -100,23 +100,24 @@ class ShadowRadix(Eviction):
         """
         probe = self._probe(as_tokens(tokens))
         path, depth, resume = probe.path, probe.depth, probe.resume
-        target = self._node_ending_at(path, resume)
+        target, tail = self._node_ending_at(path, resume)
         deepest = path[-1][0] if path else self.root
         tiers = self.tiers > 1
         m = MatchResult(resume * self.page_size, depth * self.page_size,
                         probe.table[:, :resume].copy(), target,
                         probe.on_device * self.page_size if tiers else None,
-                        probe.host, probe.load, deepest)
+                        probe.host, probe.load, deepest, tail)
         if record:
             self.record(m)
         return m
 
-    def record(self, m: MatchResult) -> None:
+    def record(self, m: MatchResult) -> Node | None:
         """Count a match that goes ahead: LRU stamps and hits on the nodes it reached,
-        and a branch mark at its logical depth when that lies past its resume point."""
+        and a branch mark at its logical depth when that lies past its resume point.
+        Returns the tail a split for that mark cut off (see MatchResult.tail), or None."""
         self._clock += 1
-        node: Node | None = m.deepest
-        deepest = m.deepest
+        deepest = m.deepest if m.deepest is not None and m.deepest.alive else m.node
+        node: Node | None = deepest
         while node is not None and node is not self.root:
             node.last_access = self._clock
             node.hits += 1
@@ -124,10 +125,13 @@ class ShadowRadix(Eviction):
         if (self.policy.branch_points and m.logical_len > m.prefix_len and deepest is not None
                 and deepest.alive and deepest is not self.root):
             depth = m.logical_len // self.page_size
+            tail = None
             if deepest.start_page < depth < deepest.end_page:
-                deepest = self._split(deepest, depth - deepest.start_page)
+                tail, deepest = deepest, self._split(deepest, depth - deepest.start_page)
             if deepest.end_page == depth:
                 deepest.branch = True
+            return tail
+        return None
 
     def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
         """What `match_prefix` would answer, changing nothing (no split, no stamp, no hit):
@@ -180,15 +184,17 @@ class ShadowRadix(Eviction):
                 return
             node, depth = child, depth + eq
 
-    def _node_ending_at(self, path: list[tuple[Node, int]], boundary: int) -> Node:
-        """The node on `path` ending at page `boundary`, splitting one if needed."""
+    def _node_ending_at(self, path: list[tuple[Node, int]],
+                        boundary: int) -> tuple[Node, Node | None]:
+        """The node on `path` ending at page `boundary`, splitting one if needed; and the
+        tail the split cut off (None without a split)."""
         if boundary == 0:
-            return self.root
+            return self.root, None
         for node, _ in path:
             if node.start_page < boundary <= node.end_page:
                 if boundary == node.end_page:
-                    return node
-                return self._split(node, boundary - node.start_page)
+                    return node, None
+                return self._split(node, boundary - node.start_page), node
         raise AssertionError(f"boundary {boundary} is not on the matched path")
 
     # ----------------------------------------------------------------- insert

@@ -38,6 +38,9 @@ class MatchResult:
     host_table: np.ndarray | None = None
     load: np.ndarray | None = None
     deepest: Node | None = field(default=None, repr=False)  # the last node reached
+    # The tail a split at P cut off the node that now ends at P: it may be left with no
+    # resume point of its own (dead weight the caller prunes).
+    tail: Node | None = field(default=None, repr=False)
 
     @property
     def device_prefix_len(self) -> int:
