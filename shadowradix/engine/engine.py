@@ -28,6 +28,7 @@ from shadowradix.engine.validation import check_batch, model_layout
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
 from shadowradix.model.context import RequestKV
+from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager
 from shadowradix.tiers.mover import mover_for
@@ -39,12 +40,15 @@ from shadowradix.tiers.storage_tier import StorageTier
 class Engine:
     """Runs a DeepSeek-V4 model with every KV form in ShadowRadix pools.
 
-    generate() takes token id lists and returns Results whose logits equal
+    generate() (a loop over add_request / step) returns Results whose logits equal
     transformers' uncached forward within float32 rounding, whatever the cache
-    served. Bad input raises ValueError before any state changes.
+    served. Bad input raises ValueError before any state changes. step_tokens: the
+    tokens one step feeds (decode tokens first, then prefill chunks).
     """
 
     def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512) -> None:
+        if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
+            raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
         self.layout = model_layout(hf_model, config.page_size)
         cfg = hf_model.config
         self.device = next(hf_model.parameters()).device
@@ -64,8 +68,6 @@ class Engine:
         self.runner = DeepseekV4Runner(hf_model.eval())
         self.storage = None
         if config.storage is not None:
-            from shadowradix.model.fingerprint import model_fingerprint
-
             self.storage = StorageTier(open_storage(config.storage, config.storage_cap_bytes),
                                        self._prefix, model_fingerprint(hf_model))
         self.host = None
