@@ -16,13 +16,16 @@ def rand_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def check(model, prompt, result) -> float:
-    """The logits that chose each output token equal HF's uncached forward; greedy agrees."""
+def check(model, prompt, result, greedy: bool = False) -> float:
+    """The logits that chose each output token equal HF's uncached forward; with `greedy`,
+    each output token is also HF's argmax."""
     n = len(result.output_ids)
     ref = reference_logits(model, prompt + result.output_ids)[len(prompt) - 1:len(prompt) - 1 + n]
     diff = (ref - result.logits).abs().max().item()
     LOGIT_DIFFS.append(diff)
     assert diff <= TOL, diff
+    if greedy:
+        assert result.output_ids == ref.argmax(-1).tolist()
     assert result.logits.dtype == torch.float32 and result.logits.shape == ref.shape
     assert sum(result.cached_by_tier.values()) == result.cached_tokens
     return diff
