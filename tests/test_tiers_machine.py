@@ -71,8 +71,8 @@ class TieredMachine(CacheMachine):
     def revisit(self, data: st.DataObject) -> None:
         """Evict a finished sequence from the device, then send it again (a host hit)."""
         tokens = data.draw(st.sampled_from(self.inserted))
-        self.host.evict_device(data.draw(st.sampled_from(self.layout.pool_names)),
-                               data.draw(st.integers(1, 8)))
+        self._evict_device(data.draw(st.sampled_from(self.layout.pool_names)),
+                           data.draw(st.integers(1, 8)))
         self._admit(tokens + data.draw(st.lists(st.integers(0, 3), max_size=5)))
 
     @precondition(lambda self: self.inserted)
@@ -156,15 +156,11 @@ class TieredMachine(CacheMachine):
         tokens = self._tokens(data)
         self._check_match(tokens, self.cache.match(tokens))
 
-    @precondition(lambda self: self.bounded)
-    @rule(data=st.data(), n=st.integers(0, 6))
-    def evict(self, data: st.DataObject, n: int) -> None:
+    def _evict_device(self, pool: str, n: int) -> None:
         """Device pressure through the host tier (write-back copies what it drops)."""
-        self.host.evict_device(data.draw(st.sampled_from(self.layout.pool_names)), n)
+        self.host.evict_device(pool, n)
 
-    @precondition(lambda self: self.bounded)
-    @rule()
-    def flush(self) -> None:
+    def _flush_device(self) -> None:
         self.host.flush_device()
 
     @precondition(lambda self: self.bounded)

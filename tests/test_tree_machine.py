@@ -143,11 +143,17 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.bounded)
     @rule(data=st.data(), n=st.integers(0, 6))
     def evict(self, data: st.DataObject, n: int) -> None:
-        self.cache.evict(data.draw(st.sampled_from(self.layout.pool_names)), n)
+        self._evict_device(data.draw(st.sampled_from(self.layout.pool_names)), n)
 
     @precondition(lambda self: self.bounded)
     @rule()
     def flush(self) -> None:
+        self._flush_device()
+
+    def _evict_device(self, pool: str, n: int) -> None:
+        self.cache.evict(pool, n)
+
+    def _flush_device(self) -> None:
         self.cache.flush()
 
     # ---------------------------------------------------------- invariants

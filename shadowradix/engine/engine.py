@@ -24,7 +24,7 @@ from shadowradix.engine.config import CacheConfig, SamplingParams
 from shadowradix.engine.request import Request, Result, StepOutput
 from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Chunk, Scheduler
-from shadowradix.engine.validation import check_batch, model_layout
+from shadowradix.engine.validation import checked_batch, model_layout
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
 from shadowradix.model.context import RequestKV
@@ -122,14 +122,15 @@ class Engine:
         """Queue a request; returns its id. It runs from the next `step` on. Raises
         ValueError (changing nothing) on bad input or a request that can never fit."""
         with self._exclusive():
-            (p,) = check_batch([prompt_ids], params, self.vocab_size)
-            return self._add(prompt_ids, p, return_logits)
+            (ids,), (p,) = checked_batch([prompt_ids], params, self.vocab_size)
+            return self._add(ids, p, return_logits)
 
-    def _add(self, prompt_ids: Sequence[int], p: SamplingParams, return_logits: bool,
+    def _add(self, ids: list[int], p: SamplingParams, return_logits: bool,
              label: str = "prompt") -> str:
+        """Queue checked ids (a list this request now owns)."""
         gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
         rid = f"req-{next(self._ids)}"
-        req = Request(rid, [int(t) for t in prompt_ids], len(prompt_ids), p, gen, return_logits)
+        req = Request(rid, ids, len(ids), p, gen, return_logits)
         if not self.scheduler.fits_ever(req):
             need = self.manager.peak_pages(req.max_tokens, self.scheduler.step_tokens)
             have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
@@ -170,10 +171,10 @@ class Engine:
         ValueError before anything is queued; any exception aborts every request of the
         call (nothing leaks) and propagates."""
         with self._exclusive():
-            plist = check_batch(prompts, params, self.vocab_size)
+            id_lists, plist = checked_batch(prompts, params, self.vocab_size)
             ids: list[str] = []
             try:
-                for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+                for i, (prompt, p) in enumerate(zip(id_lists, plist, strict=True)):
                     ids.append(self._add(prompt, p, return_logits, f"prompt {i}"))
                 reqs = [self._requests[rid] for rid in ids]
                 while not all(r.done for r in reqs):

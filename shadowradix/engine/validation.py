@@ -35,23 +35,34 @@ def check_batch(prompts: Sequence[Sequence[int]],
                 vocab_size: int) -> list[SamplingParams]:
     """The prompts and their sampling parameters, checked; one SamplingParams per prompt.
     Raises ValueError naming the first bad input; changes nothing."""
+    return checked_batch(prompts, params, vocab_size)[1]
+
+
+def checked_batch(prompts: Sequence[Sequence[int]],
+                  params: SamplingParams | Sequence[SamplingParams] | None,
+                  vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """As `check_batch`, also returning each prompt as a list of Python ints (converted
+    once, here)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token id lists")
     if not prompts:
         raise ValueError("prompts is empty")
+    id_lists = []
     for i, prompt in enumerate(prompts):
-        for t in _token_ids(i, prompt):
+        ids = _token_ids(i, prompt)
+        for t in ids:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
+        id_lists.append(ids)
     if params is None:
-        return [SamplingParams()] * len(prompts)
+        return id_lists, [SamplingParams()] * len(prompts)
     if isinstance(params, SamplingParams):
-        return [params] * len(prompts)
+        return id_lists, [params] * len(prompts)
     plist = list(params)
     if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
         raise ValueError("params must be one SamplingParams or one per prompt")
-    return plist
+    return id_lists, plist
 
 
 def _token_ids(i: int, prompt: Any) -> list[int]:

@@ -22,7 +22,6 @@ from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tiers.storage_tier import Fetched
 from shadowradix.tree.tier import HOST
 
 
@@ -121,9 +120,9 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
         st.prompt_pages += -(-prompt.size // ps)
         t0 = time.perf_counter()
         fetched, landed = None, 0
-        if storage is not None:
-            held = cache.peek(prompt).held_table
-            fetched = Fetched(*storage.fetch(prompt, held, (prompt.size - 1) // ps), [])
+        pending = manager.prefetch(prompt)
+        if pending is not None:
+            fetched = pending.result()
             landed = manager.land(prompt, fetched)
             if landed:
                 st.storage_pages["host"] += landed

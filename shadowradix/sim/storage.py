@@ -9,11 +9,13 @@ past what the device and host hold that the stored pages make resumable.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import numpy as np
 
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage.keys import page_hashes
+from shadowradix.tiers.storage_tier import Fetched
 
 
 class SimStorage:
@@ -42,6 +44,13 @@ class SimStorage:
         for h in hashes[start:q]:
             self._pages.move_to_end(h)
         return start, q
+
+    def prefetch(self, tokens: np.ndarray, held: np.ndarray, limit: int) -> Future[Fetched]:
+        """`fetch` as the engine's StorageTier.prefetch answers it (already done; no bytes),
+        so the CacheManager drives both stores alike."""
+        done: Future[Fetched] = Future()
+        done.set_result(Fetched(*self.fetch(tokens, held, limit), []))
+        return done
 
     def save(self, tokens: np.ndarray, lo: int, hi: int, pages: object = None,
              tensor: object = None) -> None:

@@ -242,16 +242,12 @@ class HostTier:
     def _settle(self, room: SpillRoom) -> None:
         """Copy what eviction moved into the room's host pages (before anything reuses the
         device pages: their copy tickets make the next owner wait)."""
-        if room.moves:
-            by_pool: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-            for row, dev, host in room.moves:
-                by_pool.setdefault(row, []).append((dev, host))
+        copies = room.copies()
+        if copies:
             try:
-                self._submit([(self.names[row], DEVICE, np.concatenate([d for d, _ in pairs]),
-                               np.concatenate([h for _, h in pairs]))
-                              for row, pairs in by_pool.items()])
+                self._submit([(name, DEVICE, dev, host) for name, dev, host in copies])
             except BaseException:  # no copy will come: the host shadows must not claim it
                 self.cache.release(self.tree.unspill(room))
                 raise
-            self.counts["spilled"] += sum(h.size for _, _, h in room.moves)
+            self.counts["spilled"] += sum(host.size for _, _, host in copies)
         self.counts["spill_skipped"] += room.skipped

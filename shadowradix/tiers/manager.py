@@ -18,7 +18,8 @@ A request's pages, as a `Lease` records them:
     # [done, handed)           computed and handed to the tree (locked through the lease)
     # [handed - hold, handed)  window / state pages the request keeps: it still reads them
     #                          (handed at its next `cache`)
-    # [handed, extent)         its own pages, being written
+    # [handed, grown_to)       its own pages, being written (whole pages only for the
+    #                          checkpoint pools)
 
 Every state change is recorded in the lease right after it happens, so `abort` undoes
 exactly what is still the request's, whatever raised in between.
@@ -50,7 +51,6 @@ class Lease:
 
     table: np.ndarray  # [pools, pages] physical page of each logical page; -1: none
     own: np.ndarray  # [pools, pages] the request's own pages (freed on abort)
-    extent: np.ndarray  # [pools] pages allocated so far, per pool
     handles: list[LockHandle]  # the lock on its prefix (two while one moves to a deeper node)
     done: int  # pages borrowed from the match
     handed: int  # pages [0, handed) belong to the tree
@@ -82,8 +82,8 @@ class CacheManager:
         lay = cache.layout
         self.names = lay.pool_names
         self.page_size = lay.page_size
-        self.ckpt_rows = [i for i, p in enumerate(lay.pools)
-                          if p.retention is Retention.CHECKPOINT]
+        ckpt = set(self.tree.rule.checkpoint_rows)
+        self._whole_only = [row in ckpt for row in range(len(self.names))]
         self.short_rows = self.tree.short_lived_rows
         self.hold = self.tree.rule.lock_pages
         self.leases: set[Lease] = set()
@@ -110,9 +110,9 @@ class CacheManager:
 
     # -------------------------------------------------------------- admit
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
-        """Start reading from storage what lies past the device and host for `tokens`
-        (engine storage only). Changes nothing in the tree."""
-        if self.storage is None or not hasattr(self.storage, "prefetch"):
+        """Start reading from storage what lies past the device and host for `tokens`;
+        None without storage. Changes nothing in the tree."""
+        if self.storage is None:
             return None
         peek = self.cache.peek(tokens)
         limit = (tokens.size - 1) // self.page_size
@@ -154,12 +154,12 @@ class CacheManager:
         # Of the stored pages [done, resume), only those the resume reads go to the device.
         stored = (self.tree.rule.needed(len(self.names), resume)[:, done:] if resume > done
                   else np.zeros((len(self.names), 0), dtype=bool))
-        need = {n: int(np.count_nonzero(stored[row])) + want[row] - resume + load.get(n, 0)
+        n_stored = np.count_nonzero(stored, axis=1)
+        need = {n: int(n_stored[row]) + want[row] - resume + load.get(n, 0)
                 for row, n in enumerate(self.names)}
         width = max(want)
         lease = Lease(np.full((len(self.names), width), -1, PAGE),
-                      np.zeros((len(self.names), width), dtype=bool),
-                      np.full(len(self.names), done, np.int64), [], done, done,
+                      np.zeros((len(self.names), width), dtype=bool), [], done, done,
                       resume * ps, 0, 0, m.logical_len, stored=resume)
         self.leases.add(lease)  # registered before any state changes: abort undoes them
         try:
@@ -178,13 +178,11 @@ class CacheManager:
                 lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
             for row, n in enumerate(self.names):
                 mine = got[n][load[n]:] if load.get(n) else got[n]
-                k = 0
-                if resume > done:
-                    k = int(np.count_nonzero(stored[row]))
+                k = int(n_stored[row])
+                if k:
                     lease.table[row, done:resume][stored[row]] = mine[:k]
                 lease.table[row, resume:want[row]] = mine[k:]
             lease.own[:, done:] = lease.table[:, done:] >= 0
-            lease.extent[:] = want
             lease.grown_to = first_end
             prefix = m.page_table
             if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
@@ -212,8 +210,8 @@ class CacheManager:
         pages for: every page touched, but only whole pages for checkpoint pools."""
         ps = self.page_size
         touched, whole = -(-end // ps), end // ps
-        return [max(whole if row in self.ckpt_rows else touched, floor_pages)
-                for row in range(len(self.names))]
+        return [max(whole if whole_only else touched, floor_pages)
+                for whole_only in self._whole_only]
 
     # --------------------------------------------------------------- grow
     def grow(self, lease: Lease, end: int) -> bool:
@@ -221,32 +219,27 @@ class CacheManager:
         they do not fit even after evicting every unlocked page."""
         if end <= lease.grown_to:  # most decode steps: the page is already there
             return True
-        want = self._want(end)
-        need = {n: max(want[row] - int(lease.extent[row]), 0)
-                for row, n in enumerate(self.names)}
-        if not any(need.values()):
-            lease.grown_to = end
-            return True
-        if not self.cache.can_alloc(need):
-            return False
-        width = max(want)
-        if width > lease.table.shape[1]:
-            extra = width - lease.table.shape[1]
-            lease.table = np.concatenate(
-                (lease.table, np.full((len(self.names), extra), -1, PAGE)), axis=1)
-            lease.own = np.concatenate(
-                (lease.own, np.zeros((len(self.names), extra), dtype=bool)), axis=1)
-        got = self._alloc(need)
-        assert got is not None  # checked above
-        for row, n in enumerate(self.names):
-            lo = int(lease.extent[row])
-            lease.table[row, lo:lo + got[n].size] = got[n]
-            lease.own[row, lo:lo + got[n].size] = True
-            lease.extent[row] = lo + got[n].size
-        lease.version += 1
+        floor = lease.cached // self.page_size
+        have, want = self._want(lease.grown_to, floor), self._want(end, floor)
+        need = {n: want[row] - have[row] for row, n in enumerate(self.names)}
+        if any(need.values()):
+            got = self._alloc(need)  # checks first: None changes nothing
+            if got is None:
+                return False
+            width = max(want)
+            if width > lease.table.shape[1]:
+                extra = width - lease.table.shape[1]
+                lease.table = np.concatenate(
+                    (lease.table, np.full((len(self.names), extra), -1, PAGE)), axis=1)
+                lease.own = np.concatenate(
+                    (lease.own, np.zeros((len(self.names), extra), dtype=bool)), axis=1)
+            for row, n in enumerate(self.names):
+                lease.table[row, have[row]:want[row]] = got[n]
+                lease.own[row, have[row]:want[row]] = True
+            lease.version += 1
+            if self.host is not None:  # a backup or spill may still read these pages
+                lease.ready = max(lease.ready, self.host.ready_ticket(got))
         lease.grown_to = end
-        if self.host is not None:  # a backup or spill may still read these pages
-            lease.ready = max(lease.ready, self.host.ready_ticket(got))
         return True
 
     # -------------------------------------------------------------- cache
@@ -310,7 +303,7 @@ class CacheManager:
             if store:
                 self._write_through(lease, tokens, full)
             start = max(lease.handed - self.hold, lease.done)
-            if full > start or full > lease.handed:
+            if full > start:
                 pages = np.where(lease.own[:, start:full], lease.table[:, start:full], -1)
                 self._hand_over(lease, tokens, pages, start, full, finished=True)
         finally:

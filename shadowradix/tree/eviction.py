@@ -94,7 +94,7 @@ class Eviction:
         filled hold no data, so they go, with any node left resident nowhere. The caller
         frees the pages in the result (the host pages of the room included)."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
-        for node, cells in room.cells:
+        for node, cells, _, _ in room.taken:
             if not node.alive:
                 continue
             host = node.slot(HOST)
@@ -105,8 +105,7 @@ class Eviction:
             self._count(cells & (host >= 0), -1, HOST, node)
             host[cells] = -1
             self._drop_dead_leaf(node, freed)
-        room.cells.clear()
-        room.moves.clear()
+        room.taken.clear()
         return self._evict_result(freed)
 
     def _evict_result(self, freed: Freed) -> EvictResult:

@@ -27,19 +27,19 @@ class HostPages(Protocol):
 class SpillRoom:
     """Free host pages (per pool, in the layout's row order) that eviction may take as it
     drops device pages the host lacks. A node's spill is all or nothing; the room never
-    evicts (the caller makes room before). The moves it records are the caller's to copy."""
+    evicts (the caller makes room before). What it took is the caller's to copy."""
 
     def __init__(self, names: Sequence[str], pools: Mapping[str, HostPages]) -> None:
         self.names = list(names)
         self._pools = [pools[n] for n in self.names]
-        self.moves: list[tuple[int, np.ndarray, np.ndarray]] = []  # (row, device, host)
-        self.cells: list[tuple[Node, np.ndarray]] = []  # (node, host cells filled)
+        # (node, cells, device ids, host ids): each [pools, n], ids -1 outside `cells`.
+        self.taken: list[tuple[Node, np.ndarray, np.ndarray, np.ndarray]] = []
         self.skipped = 0  # device pages dropped without a copy (no room left)
 
     def take(self, node: Node, want: np.ndarray) -> np.ndarray | None:
         """Host ids for the `want` cells of a node's device table, laid out like it (-1
-        elsewhere), recording the moves; None (taking nothing) when some pool lacks room."""
-        node_pages = node.pages
+        elsewhere), recorded with the device ids; None (taking nothing) when some pool
+        lacks room."""
         counts = [int(k) for k in np.count_nonzero(want, axis=1)]
         if not all(pool.can_alloc(k) for pool, k in zip(self._pools, counts, strict=True)):
             self.skipped += sum(counts)
@@ -47,8 +47,17 @@ class SpillRoom:
         ids = np.full(want.shape, -1, PAGE)
         for row, k in enumerate(counts):
             if k:
-                host = np.asarray(self._pools[row].alloc(k), dtype=PAGE)
-                ids[row, want[row]] = host
-                self.moves.append((row, node_pages[row, want[row]].copy(), host))
-        self.cells.append((node, want.copy()))
+                ids[row, want[row]] = self._pools[row].alloc(k)
+        self.taken.append((node, want.copy(), np.where(want, node.pages, -1), ids))
         return ids
+
+    def copies(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(pool, device ids, host ids) per pool: the copies that make the moves real."""
+        out = []
+        for row, name in enumerate(self.names):
+            cells = [(dev[row][want[row]], host[row][want[row]])
+                     for _, want, dev, host in self.taken if want[row].any()]
+            if cells:
+                out.append((name, np.concatenate([d for d, _ in cells]),
+                            np.concatenate([h for _, h in cells])))
+        return out
