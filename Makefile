@@ -4,7 +4,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-1
+STAMP := $(VENV)/.installed-2
 
 .PHONY: install demo test bench test-long clean
 
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[model,plot,storage,dev]'
+	$(BIN)/pip install -q -e '.[model,plot,storage,serve,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

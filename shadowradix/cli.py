@@ -1,4 +1,4 @@
-"""Command line: `shadowradix demo` and `shadowradix simulate TRACE ...`."""
+"""Command line: `shadowradix demo`, `shadowradix simulate TRACE ...`, `shadowradix serve`."""
 
 from __future__ import annotations
 
@@ -63,12 +63,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--limit", type=int, default=None, help="first N requests only")
     sim.add_argument("--json", type=Path, default=None)
     sim.add_argument("--plot", type=Path, default=None, help="PNG of hit rate vs device GB")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server (also SGLang's /generate) "
+                         "with Prometheus metrics")
+    from shadowradix.server.serve import add_arguments
+
+    add_arguments(srv)
     args = ap.parse_args(argv)
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "serve":
+            from shadowradix.server.serve import serve
+
+            return serve(args)
         return _simulate(args)
-    except (ValueError, FileNotFoundError) as e:  # TraceError is a ValueError
+    except (ValueError, OSError) as e:  # TraceError is a ValueError; OSError: port in use
         print(f"shadowradix: error: {e}", file=sys.stderr)
         return 2
 

@@ -185,3 +185,21 @@ def test_seeded_sampling_draws_the_same_tokens_across_preemption(model):
     squeezed = tight.generate(prompts, p)
     assert tight.stats()["preemptions"] > 0
     assert [r.output_ids for r in squeezed] == [r.output_ids for r in roomy]
+
+
+@pytest.mark.parametrize("host_tokens", [0, 4096])
+def test_prefix_reuse_off_computes_every_prompt_whole(model, host_tokens):
+    """The benchmarks' cache-off baseline: the same prompts twice, nothing served from any
+    tier, still exact, and the books sound (pages still join the tree and get evicted)."""
+    eng = online(model, host_tokens=host_tokens, prefix_reuse=False)
+    p = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [rand_tokens(70, 7), rand_tokens(70, 7) + rand_tokens(20, 8)]
+    for _ in range(2):
+        for prompt, r in zip(prompts, eng.generate(prompts, p, return_logits=True), strict=True):
+            assert r.cached_tokens == 0
+            check(model, prompt, r)
+        eng.check_integrity()
+    assert eng.stats()["prefill_tokens"] == 2 * sum(len(x) for x in prompts)
+    assert_pools_full(eng)
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        CacheConfig(prefix_reuse=1)

@@ -43,6 +43,9 @@ class CacheConfig:
         `device_tokens` (None: the same). A running request keeps only its window and
         resume pages there, so a window pool several times smaller than the sequences
         it serves is enough; the rest of it caches windows for later hits.
+    prefix_reuse: False makes every request compute its whole prompt, as with no prefix
+        cache at all (SGLang's --disable-radix-cache): a baseline for benchmarks. Pages
+        are managed as usual; only the match is skipped.
     debug_poison: fill every page with NaN when it is handed out, so a read of a page
         the reader no longer owns (or of one whose copy has not landed) shows in the
         logits. For tests; costs a write per allocated page.
@@ -57,6 +60,7 @@ class CacheConfig:
     storage_cap_bytes: int | None = None
     hisparse_buffer: int | None = None
     window_tokens: int | None = None
+    prefix_reuse: bool = True
     debug_poison: bool = False
 
     def __post_init__(self) -> None:
@@ -96,8 +100,9 @@ class CacheConfig:
                 or self.window_tokens < self.page_size or self.window_tokens % self.page_size):
             raise ValueError(f"window_tokens must be None or a multiple of page_size "
                              f"({self.page_size}), got {self.window_tokens!r}")
-        if not isinstance(self.debug_poison, bool):
-            raise ValueError(f"debug_poison must be a bool, got {self.debug_poison!r}")
+        for name in ("prefix_reuse", "debug_poison"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

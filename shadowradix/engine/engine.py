@@ -75,7 +75,7 @@ class Engine:
             self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),
                                  config.write_policy, config.write_hit_threshold)
         self.manager = CacheManager(self._prefix, self.host, self.storage,
-                                    poison=config.debug_poison)
+                                    poison=config.debug_poison, reuse=config.prefix_reuse)
         self.scheduler = Scheduler(self.manager, step_tokens)
         self.cache = CacheControl(self._prefix, self.storage, self.host)
         self._counters: dict[str, float] = {
@@ -251,6 +251,9 @@ class Engine:
             self.scheduler.finish(req)
             req.done = True
             req.result = self._result(req)
+        if len(req.outputs) == 1:
+            return StepOutput(req.id, [token], finished, req.result, req.cached_by_tier,
+                              req.admitted_at)
         return StepOutput(req.id, [token], finished, req.result)
 
     def _wait_for_copies(self, ticket: int) -> None:
@@ -273,9 +276,7 @@ class Engine:
         logits = torch.stack(req.logits) if req.keep_logits else None
         self._counters["host_tokens"] += req.from_host
         self._counters["storage_tokens"] += req.from_storage
-        return Result(req.outputs, logits, req.cached,
-                      {"device": req.cached - req.from_host - req.from_storage,
-                       "host": req.from_host, "storage": req.from_storage})
+        return Result(req.outputs, logits, req.cached, req.cached_by_tier)
 
     # ---------------------------------------------------------------- status
     def stats(self) -> dict[str, Any]:
@@ -299,6 +300,40 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
+
+    def status(self) -> dict[str, Any]:
+        """A cheap snapshot for a server's metrics, taken between steps on the engine's
+        thread (unlike stats(), no tree walk): queue lengths, pages in use per tier and
+        pool, preemptions, storage errors, and bytes moved by direction."""
+        pages = {"device": {n: p.used_pages for n, p in self._prefix.pools.items()}}
+        if self._prefix.has_host:
+            pages["host"] = {n: p.used_pages for n, p in self._prefix.host_pools.items()}
+        host = self.host.bytes if self.host is not None else {}
+        store = self.storage
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_used": pages,
+            "preemptions": self.scheduler.preemptions,
+            "storage_errors": store.errors if store is not None else 0,
+            "loaded_bytes": {"host": host.get("host->device", 0),
+                             "storage": store.bytes_read if store is not None else 0},
+            "backup_bytes": {"host": host.get("device->host", 0),
+                             "storage": store.bytes_written if store is not None else 0},
+        }
+
+    def max_sequence_len(self) -> int:
+        """The longest prompt + output one request can ever hold: the device pools with
+        nothing else cached, and the model's positions."""
+        limit = int(getattr(self.runner.config, "max_position_embeddings", 0) or 2**31)
+        lo, hi = 0, limit  # fits(lo) holds; the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.manager.fits_ever(mid - 1, self.scheduler.step_tokens):  # KV for mid - 1
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def check_integrity(self) -> None:
         """Every page has exactly one owner (the tree, a running request, a free list) in

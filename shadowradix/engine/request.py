@@ -31,6 +31,11 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     result: Result | None = None  # set when finished
+    # On a request's first output only (None after): the prompt tokens the cache served,
+    # per tier, and when it was first admitted (time.monotonic()), for a server's usage
+    # and queue-time figures before the request finishes (or if it is aborted).
+    cached_by_tier: dict[str, int] | None = None
+    admitted_at: float | None = None
 
 
 @dataclass(eq=False)
@@ -61,6 +66,7 @@ class Request:
     cached: int = 0  # prompt tokens served from cache at its first admission
     from_host: int = 0
     from_storage: int = 0
+    admitted_at: float = 0.0  # time.monotonic() at its first admission
     logits: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
     result: Result | None = None
@@ -68,6 +74,11 @@ class Request:
     @property
     def outputs(self) -> list[int]:
         return self.ids[self.prompt_len:]
+
+    @property
+    def cached_by_tier(self) -> dict[str, int]:
+        return {"device": self.cached - self.from_host - self.from_storage,
+                "host": self.from_host, "storage": self.from_storage}
 
     @property
     def decoding(self) -> bool:

@@ -14,6 +14,7 @@ is done (unless nothing else can run): its load-back overlaps the others' comput
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class Scheduler:
             req.admitted = True
             req.cached, req.from_host = lease.cached, lease.from_host
             req.from_storage = lease.from_storage
+            req.admitted_at = time.monotonic()
         self.running.append(req)
 
     def _prefetched(self, req: Request, tokens: np.ndarray) -> Fetched | None:

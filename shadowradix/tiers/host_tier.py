@@ -54,6 +54,9 @@ class HostTier:
         self.hit_threshold = hit_threshold
         self.names = cache.layout.pool_names
         self.counts: Counter[str] = Counter()  # pages loaded / backed up / spilled / skipped
+        # Bytes submitted per direction: "host->device" (load-back), "device->host" (backup).
+        self.bytes: Counter[str] = Counter()
+        self._page_bytes = cache.layout.page_bytes()
         # Per device page, the last ticket whose copy reads or writes it (0: none).
         self.busy = {name: np.zeros(pool.num_pages, np.int64)
                      for name, pool in cache.pools.items()}
@@ -142,6 +145,8 @@ class HostTier:
         ticket = self.mover.submit(copies)
         for name, tier, src, dst in copies:
             self.busy[name][src if tier == DEVICE else dst] = ticket
+            direction = "device->host" if tier == DEVICE else "host->device"
+            self.bytes[direction] += self._page_bytes[name] * len(src)
         return ticket
 
     def ready_ticket(self, pages: Mapping[str, np.ndarray]) -> int:

@@ -73,8 +73,9 @@ class CacheManager:
     simulator's SimStorage)."""
 
     def __init__(self, cache: PrefixCache, host: HostTier | None = None,
-                 storage: Any = None, *, poison: bool = False) -> None:
+                 storage: Any = None, *, poison: bool = False, reuse: bool = True) -> None:
         self.cache = cache
+        self.reuse = reuse  # False: no request starts from cached pages (a baseline)
         self.tree = cache.tree
         self.host = host
         self.storage = storage
@@ -112,7 +113,7 @@ class CacheManager:
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
         """Start reading from storage what lies past the device and host for `tokens`;
         None without storage. Changes nothing in the tree."""
-        if self.storage is None:
+        if self.storage is None or not self.reuse:
             return None
         peek = self.cache.peek(tokens)
         limit = (tokens.size - 1) // self.page_size
@@ -143,7 +144,7 @@ class CacheManager:
         through the host (counted as storage hits)."""
         ps = self.page_size
         cache = self.cache
-        m = cache.match(tokens, record=False)
+        m = cache.match(tokens if self.reuse else tokens[:0], record=False)
         done = m.prefix_len // ps
         direct = fetched if (fetched is not None and fetched.pages
                              and fetched.start == done) else None

@@ -1,0 +1,232 @@
+"""The engine on a thread of its own: it steps while there is work and sleeps when not.
+
+The engine is not thread-safe, so everything that touches it (adds, aborts, flushes,
+the model load itself) runs here, as commands queued by the HTTP side and executed
+between steps. Outputs go back through each submission's `deliver` callback, once per
+step with everything that submission got, so an HTTP event loop is woken once per step
+and never blocks a step. Tokenization, detokenization and HTTP stay off this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from shadowradix.engine import Engine, SamplingParams
+from shadowradix.engine.request import StepOutput
+from shadowradix.server.metrics import ServerMetrics
+
+log = logging.getLogger("shadowradix.server")
+T = TypeVar("T")
+# What a submission receives each step: (its prompt index, the output or the step's error).
+Delivery = list[tuple[int, StepOutput | BaseException]]
+
+
+class Overloaded(Exception):
+    """More requests wait for admission than the server's --max-queue allows."""
+
+
+@dataclass
+class Submission:
+    prompts: Sequence[list[int]]
+    params: Sequence[SamplingParams]
+    deliver: Callable[[Delivery], None]  # called on the engine thread; must not block
+    arrival: float  # time.monotonic() when the HTTP request arrived
+
+
+@dataclass
+class _Live:
+    sub: Submission
+    index: int
+    prompt_len: int
+
+
+class EngineLoop:
+    """Owns the engine. `build` makes it (on this thread, so /health can answer while the
+    model loads); `max_queue` caps the requests waiting for admission (None: no cap)."""
+
+    def __init__(self, build: Callable[[], Engine], metrics: ServerMetrics,
+                 max_queue: int | None = None) -> None:
+        self._build = build
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()  # set once the engine is built (or failed to be)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="shadowradix-engine",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------ any thread
+    def submit(self, sub: Submission) -> Future[list[str]]:
+        """Queue the submission's prompts, all or none; the future holds their request ids,
+        or ValueError (bad input, or a request that can never fit) or Overloaded."""
+        fut: Future[list[str]] = Future()
+        self._commands.put(lambda: self._add(sub, fut))
+        return fut
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Drop these requests (unknown or finished ones are ignored); their pages are
+        freed before the next step."""
+        ids = list(request_ids)
+        if ids:
+            self._commands.put(lambda: self._abort(ids))
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run fn(engine) between steps; the future holds its result or exception."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            assert self.engine is not None
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return fut
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is left, finish the host and storage copies (engine.close), and end
+        the thread. Idempotent."""
+        self._commands.put(self._stop)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as e:
+            log.exception("the model failed to load")
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        engine = self.engine
+        self.metrics.engine_status(engine.status())
+        while not self._stopping:
+            # Sleep on the queue when idle; between steps, only take what is there.
+            if self._run_commands(block=not engine.has_unfinished()):
+                self.metrics.engine_status(engine.status())  # e.g. an abort freed pages
+            if self._stopping or not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(e)
+                continue
+            if outputs:
+                self._dispatch(outputs)
+            else:
+                time.sleep(0.001)  # e.g. storage reads in flight: do not spin
+            self.metrics.engine_status(engine.status())
+        self._shutdown()
+
+    def _run_commands(self, block: bool) -> int:
+        """Run the queued commands (waiting for one if `block`); returns how many ran."""
+        ran = 0
+        try:
+            command = self._commands.get(block=block)
+            while True:
+                command()
+                ran += 1
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        return ran
+
+    def _add(self, sub: Submission, fut: Future[list[str]]) -> None:
+        engine = self.engine
+        assert engine is not None
+        if not fut.set_running_or_notify_cancel():
+            return
+        waiting = engine.status()["waiting"]
+        if self.max_queue is not None and waiting + len(sub.prompts) > self.max_queue:
+            fut.set_exception(Overloaded(
+                f"the server is overloaded: {waiting} requests wait for admission and "
+                f"--max-queue is {self.max_queue}; retry later"))
+            return
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(sub.prompts, sub.params, strict=True):
+                ids.append(engine.add_request(prompt, params))
+        except Exception as e:
+            for rid in ids:
+                engine.abort(rid)
+            fut.set_exception(e)
+            return
+        for i, (rid, prompt) in enumerate(zip(ids, sub.prompts, strict=True)):
+            self._live[rid] = _Live(sub, i, len(prompt))
+        fut.set_result(ids)
+
+    def _abort(self, ids: list[str]) -> None:
+        assert self.engine is not None
+        for rid in ids:
+            if self._live.pop(rid, None) is not None:
+                self.engine.abort(rid)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        batches: dict[int, tuple[Submission, Delivery]] = {}
+        tokens = 0
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            tokens += len(out.new_token_ids)
+            if out.cached_by_tier is not None:
+                queued = (out.admitted_at or live.sub.arrival) - live.sub.arrival
+                self.metrics.admitted(live.prompt_len, out.cached_by_tier, queued)
+            if out.finished:
+                del self._live[out.request_id]
+            batches.setdefault(id(live.sub), (live.sub, []))[1].append((live.index, out))
+        self.metrics.generated(tokens)
+        for sub, items in batches.values():
+            self._deliver(sub, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        assert self.engine is not None
+        batches: dict[int, tuple[Submission, Delivery]] = {}
+        for rid, live in self._live.items():
+            self.engine.abort(rid)
+            batches.setdefault(id(live.sub), (live.sub, []))[1].append((live.index, error))
+        self._live.clear()
+        for sub, items in batches.values():
+            self._deliver(sub, items)
+
+    @staticmethod
+    def _deliver(sub: Submission, items: Delivery) -> None:
+        try:
+            sub.deliver(items)
+        except Exception:
+            log.exception("could not deliver outputs")
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _shutdown(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        if self._live:
+            log.info("aborting %d requests still in flight", len(self._live))
+            self._abort(list(self._live))
+        engine.close()  # finishes the host copies and the storage writes
+        while True:  # anything queued after the stop gets an answer, not a hang
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break
+            except Exception:
+                log.exception("command after stop")

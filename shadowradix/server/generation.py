@@ -1,0 +1,213 @@
+"""One HTTP request's run on the engine: its choices (prompts x n), as a stream of text.
+
+Every endpoint (completions, chat, /generate) is this plus a response format. A choice
+ends when the engine finishes it (EOS: "stop"; max tokens: "length"), or when a stop
+string or stop token appears (then the engine request is aborted at once), or when the
+client goes away (all are aborted, so their pages are freed before the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shadowradix.engine import SamplingParams
+from shadowradix.engine.request import StepOutput
+from shadowradix.server.engine_loop import Delivery, EngineLoop, Overloaded, Submission
+from shadowradix.server.metrics import ServerMetrics
+from shadowradix.server.protocol import ApiError
+from shadowradix.server.text_stream import TextStream
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Sampling as the HTTP request gave it (before it becomes SamplingParams)."""
+
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    prompt_len: int
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched: str | int | None = None  # the stop string or token that ended it
+    cached_by_tier: dict[str, int] | None = None
+    request_id: str = ""
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum((self.cached_by_tier or {}).values())
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+class Generation:
+    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, tokenizer: Any,
+                 eos: set[int], max_len: int, prompts: list[list[int]], opts: Options) -> None:
+        self.loop = loop
+        self.metrics = metrics
+        self.eos = eos
+        self.arrival = time.monotonic()
+        self.prompts = prompts
+        self.opts = opts
+        self.choices: list[Choice] = []
+        params: list[SamplingParams] = []
+        seed = opts.seed if opts.seed is not None else random.getrandbits(62)
+        for p, prompt in enumerate(prompts):
+            if not prompt:
+                raise ApiError("the prompt is empty", param="prompt")
+            room = max_len - len(prompt)
+            if room < 1:
+                raise ApiError(f"the prompt is {len(prompt)} tokens; this server holds at most "
+                               f"{max_len} tokens of prompt and output, so at most "
+                               f"{max_len - 1} of prompt", param="prompt",
+                               code="context_length_exceeded")
+            limit = opts.max_tokens if opts.max_tokens is not None else room
+            if limit > room:
+                raise ApiError(f"max_tokens {limit} + the prompt's {len(prompt)} tokens exceed "
+                               f"the {max_len} tokens this server holds per request",
+                               param="max_tokens", code="context_length_exceeded")
+            for _ in range(opts.n):
+                self.choices.append(Choice(len(self.choices), p, len(prompt),
+                                           TextStream(tokenizer, opts.stop,
+                                                      opts.skip_special_tokens)))
+                params.append(SamplingParams(
+                    max_new_tokens=limit, greedy=opts.temperature == 0,
+                    temperature=opts.temperature if opts.temperature > 0 else 1.0,
+                    top_p=opts.top_p, seed=(seed + len(params)) % 2**63,
+                    ignore_eos=opts.ignore_eos))
+        self._params = params
+        self._queue: asyncio.Queue[Delivery | None] = asyncio.Queue()
+        self._open = 0
+        self._ended = False
+
+    async def start(self) -> None:
+        """Queue every choice on the engine (all or none). ApiError 400 for a request the
+        engine refuses, 503 when overloaded."""
+        aloop = asyncio.get_running_loop()
+        queue = self._queue
+
+        def deliver(items: Delivery) -> None:
+            aloop.call_soon_threadsafe(queue.put_nowait, items)
+
+        prompts = [self.prompts[c.prompt_index] for c in self.choices]
+        sub = Submission(prompts, self._params, deliver, self.arrival)
+        try:
+            ids = await asyncio.wrap_future(self.loop.submit(sub))
+        except Overloaded as e:
+            raise ApiError(str(e), status=503, code="overloaded", type="server_error",
+                           headers={"Retry-After": "1"}) from None
+        except ValueError as e:
+            raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
+        except RuntimeError as e:  # the engine is closed: the server is shutting down
+            raise ApiError(str(e), status=503, code="shutting_down",
+                           type="server_error") from None
+        for c, rid in zip(self.choices, ids, strict=True):
+            c.request_id = rid
+        self._open = len(ids)
+
+    async def events(self) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, new text) as tokens arrive; a choice's last event has its
+        finish_reason set. Ends when every choice has."""
+        while self._open:
+            items = await self._queue.get()
+            if items is None:  # the client went away
+                return
+            now = time.monotonic()
+            for index, out in items:
+                choice = self.choices[index]
+                if choice.finish_reason is not None:
+                    continue  # tokens the engine made before it saw our abort
+                if isinstance(out, BaseException):
+                    raise ApiError(f"the engine failed: {out}", status=500,
+                                   code="internal_error", type="server_error")
+                yield choice, self._take(choice, out, now)
+
+    def _take(self, c: Choice, out: StepOutput, now: float) -> str:
+        if out.cached_by_tier is not None:
+            c.cached_by_tier = dict(out.cached_by_tier)
+        if c.first_token is None:
+            c.first_token = now
+        elif c.last_token is not None:
+            c.gaps.append(now - c.last_token)
+        c.last_token = now
+        new = list(out.new_token_ids)
+        stopped_at = next((i for i, t in enumerate(new) if t in self.opts.stop_token_ids), None)
+        if stopped_at is not None:
+            c.matched = new[stopped_at]
+            new = new[:stopped_at]
+        c.token_ids += new
+        piece = c.text.add(new)
+        if c.text.stopped is not None or stopped_at is not None:
+            if c.text.stopped is not None:
+                c.matched = c.text.stopped
+            self._end(c, "stop")
+            if not out.finished:
+                self.loop.abort([c.request_id])
+        elif out.finished:
+            eos = bool(new) and new[-1] in self.eos and not self.opts.ignore_eos
+            if eos:
+                c.matched = new[-1]
+            self._end(c, "stop" if eos else "length")
+        else:
+            return piece
+        return piece + c.text.finish()
+
+    def _end(self, c: Choice, reason: str) -> None:
+        c.finish_reason = reason
+        self._open -= 1
+        end = c.last_token or time.monotonic()
+        self.metrics.request_ended(reason, end - self.arrival,
+                                   None if c.first_token is None else c.first_token
+                                   - self.arrival, c.gaps)
+
+    def disconnected(self) -> None:
+        """The client went away: abort everything (events() ends)."""
+        self._queue.put_nowait(None)
+        self.close()
+
+    def close(self) -> None:
+        """Abort the choices still running (a client that left, an error). Idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        running = [c for c in self.choices if c.finish_reason is None and c.request_id]
+        for c in running:
+            self._end(c, "abort")
+        self.loop.abort([c.request_id for c in running])
+
+    # ------------------------------------------------------------ usage
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage; a prompt with n choices counts once (its first choice's hits),
+        with the per-tier split of cached tokens as an extension."""
+        firsts = [c for c in self.choices if c.index % self.opts.n == 0]
+        prompt = sum(c.prompt_len for c in firsts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        by_tier = {t: sum((c.cached_by_tier or {}).get(t, 0) for c in firsts) for t in TIERS}
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(by_tier.values()),
+                                          "cached_tokens_by_tier": by_tier}}

@@ -1,0 +1,129 @@
+"""Prometheus metrics (prometheus-client), named `shadowradix:*`, labelled `model_name`.
+
+Histogram buckets are vLLM's, so existing Grafana dashboards read them unchanged. Each
+server has its own registry (several servers in one process, as in tests, never mix).
+Engine-side figures are set from the engine's thread after each step; request latencies
+are observed by the HTTP side when a request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's bucket lists (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+TIERS = ("device", "host", "storage")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, name = self.registry, ["model_name"]
+
+        def counter(metric: str, doc: str, *labels: str) -> Any:
+            return Counter(f"shadowradix:{metric}", doc, [*name, *labels], registry=r)
+
+        def gauge(metric: str, doc: str, *labels: str) -> Any:
+            return Gauge(f"shadowradix:{metric}", doc, [*name, *labels], registry=r)
+
+        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"shadowradix:{metric}", doc, name, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the cache, "
+                                     "by the tier that held them.", "tier")
+        self.requests = counter("requests", "Requests ended, by finish reason.",
+                                "finished_reason")
+        self.preemptions = counter("preemptions", "Running requests preempted for pages.")
+        self.storage_errors = counter("storage_errors", "L3 faults (missing, corrupt, "
+                                      "unreachable); each is a miss, never a wrong answer.")
+        self.loaded_bytes = counter("load_back_bytes", "Bytes loaded back into the cache, by "
+                                    "source tier.", "source")
+        self.backup_bytes = counter("backup_bytes", "Bytes backed up from the device, by "
+                                    "target tier.", "target")
+        self.running = gauge("num_requests_running", "Requests running on the engine.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.pages_used = gauge("pages_used", "Pages in use (cached or held by requests), by "
+                                "tier and pool.", "tier", "pool")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first admission.",
+                               REQUEST_LATENCY_BUCKETS)
+        self.model_name = model_name
+        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions,
+                       self.storage_errors, self.running, self.waiting, self.ttft, self.itl,
+                       self.e2e, self.queue):
+            metric.labels(model_name)
+        for tier in TIERS:  # every series exists from the start, 0 included
+            self.cached_tokens.labels(model_name, tier)
+        for reason in FINISH_REASONS:
+            self.requests.labels(model_name, reason)
+        for tier in ("host", "storage"):
+            self.loaded_bytes.labels(model_name, tier)
+            self.backup_bytes.labels(model_name, tier)
+        self._last: dict[str, float] = {}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ----------------------------------------------------- engine thread
+    def engine_status(self, status: Mapping[str, Any]) -> None:
+        """Gauges from `Engine.status()`, and counters advanced by what it says changed."""
+        m = self.model_name
+        self.running.labels(m).set(status["running"])
+        self.waiting.labels(m).set(status["waiting"])
+        for tier, pools in status["pages_used"].items():
+            for pool, used in pools.items():
+                self.pages_used.labels(m, tier, pool).set(used)
+        self._advance(self.preemptions.labels(m), "preemptions", status["preemptions"])
+        self._advance(self.storage_errors.labels(m), "storage_errors", status["storage_errors"])
+        for tier, n in status["loaded_bytes"].items():
+            self._advance(self.loaded_bytes.labels(m, tier), f"loaded:{tier}", n)
+        for tier, n in status["backup_bytes"].items():
+            self._advance(self.backup_bytes.labels(m, tier), f"backup:{tier}", n)
+
+    def _advance(self, counter: Any, key: str, total: float) -> None:
+        delta = total - self._last.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = total
+
+    def admitted(self, prompt_tokens: int, cached_by_tier: Mapping[str, int],
+                 queue_seconds: float) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        for tier, n in cached_by_tier.items():
+            self.cached_tokens.labels(m, tier).inc(n)
+        self.queue.labels(m).observe(max(queue_seconds, 0.0))
+
+    def generated(self, tokens: int) -> None:
+        self.generation_tokens.labels(self.model_name).inc(tokens)
+
+    # ---------------------------------------------------------- HTTP side
+    def request_ended(self, reason: str, e2e: float, ttft: float | None,
+                      gaps: list[float]) -> None:
+        m = self.model_name
+        self.requests.labels(m, reason).inc()
+        self.e2e.labels(m).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        itl = self.itl.labels(m)
+        for gap in gaps:
+            itl.observe(gap)

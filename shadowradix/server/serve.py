@@ -1,0 +1,135 @@
+"""`shadowradix serve`: the engine behind an OpenAI-compatible HTTP server (uvicorn).
+
+The socket is bound first and the model loads on the engine thread, so `/health` answers
+503 until it is ready. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests
+in flight finish (up to --drain-timeout seconds, then aborts them), finishes the host
+copies and storage writes, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the command line parses its arguments without importing torch
+    from shadowradix.server.runtime import Runtime
+
+log = logging.getLogger("shadowradix.server")
+DTYPES = ("float32", "bfloat16")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", required=True, help="tiny (the demo's random DeepSeek-V4, "
+                    "nothing downloaded) or a Hugging Face checkpoint directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000, help="0: any free port (printed)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens per page (default: 16 for tiny, 256 otherwise)")
+    ap.add_argument("--device-tokens", type=int, default=None,
+                    help="L1 capacity in tokens (default: 2048 pages)")
+    ap.add_argument("--window-tokens", type=int, default=None,
+                    help="sliding-window pool size in tokens (default: --device-tokens)")
+    ap.add_argument("--host-tokens", type=int, default=0, help="L2 capacity; 0: no host tier")
+    ap.add_argument("--write-policy", default="write_through",
+                    help="write_through | write_through_selective | write_back")
+    ap.add_argument("--storage", default=None, help="L3: file:///DIR or redis://HOST:PORT/DB")
+    ap.add_argument("--disable-prefix-cache", action="store_true",
+                    help="every request computes its whole prompt (a baseline to compare with)")
+    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY "
+                    "(/health and /metrics stay open)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model id clients send (default: tiny or the directory name)")
+    ap.add_argument("--max-queue", type=int, default=None,
+                    help="most requests waiting for admission; more get 503 (default: no cap)")
+    ap.add_argument("--step-tokens", type=int, default=512, help="tokens one engine step feeds")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype")
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="seconds a shutdown waits for requests in flight before aborting")
+
+
+def runtime_from_args(args: argparse.Namespace) -> Runtime:
+    """Check everything that can be checked before the model loads (ValueError)."""
+    from shadowradix.engine import CacheConfig
+    from shadowradix.server.engine_loop import EngineLoop
+    from shadowradix.server.metrics import ServerMetrics
+    from shadowradix.server.runtime import Runtime
+
+    tiny = args.model == "tiny"
+    if not tiny and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model!r}: not 'tiny' and not a checkpoint directory "
+                         f"(no config.json there)")
+    if args.max_queue is not None and args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    page = args.page_size or (16 if tiny else 256)
+    config = CacheConfig(page_size=page, device_tokens=args.device_tokens or 2048 * page,
+                         window_tokens=args.window_tokens, host_tokens=args.host_tokens,
+                         write_policy=args.write_policy, storage=args.storage,
+                         prefix_reuse=not args.disable_prefix_cache)
+    name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)
+    metrics = ServerMetrics(name)
+    runtime = Runtime(loop=None, metrics=metrics, model_name=name,  # type: ignore[arg-type]
+                      root=args.model, api_key=args.api_key)
+
+    def build() -> Any:
+        import torch
+
+        from shadowradix.engine import Engine
+
+        dtype = getattr(torch, args.dtype)
+        model, tokenizer = load_model(args.model, dtype, args.device)
+        engine = Engine.from_hf(model, config, step_tokens=args.step_tokens)
+        runtime.tokenizer = tokenizer
+        runtime.vocab_size = engine.vocab_size
+        runtime.eos = frozenset(engine.eos)
+        runtime.max_len = engine.max_sequence_len()
+        log.info("loaded %s: max %d tokens per request", name, runtime.max_len)
+        return engine
+
+    runtime.loop = EngineLoop(build, metrics, args.max_queue)
+    return runtime
+
+
+def load_model(model: str, dtype: Any, device: str) -> tuple[Any, Any]:
+    """(the transformers model, its tokenizer) for `tiny` or a checkpoint directory."""
+    if model == "tiny":
+        from shadowradix.demo import tiny_deepseek_v4
+        from shadowradix.server.tokenizer import tiny_tokenizer
+
+        hf = tiny_deepseek_v4().to(dtype=dtype, device=device)
+        return hf, tiny_tokenizer(hf.config.vocab_size)
+    from transformers import DeepseekV4ForCausalLM
+
+    from shadowradix.server.tokenizer import load_tokenizer
+
+    loaded: Any = DeepseekV4ForCausalLM.from_pretrained(model, dtype=dtype)
+    return loaded.to(device).eval(), load_tokenizer(model)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from shadowradix.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    runtime = runtime_from_args(args)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(build_app(runtime), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=args.drain_timeout)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it is done; ours only says so,
+    # so a shutdown that drained cleanly exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _: log.info("stopped by %s", signal.Signals(s).name))
+    print(f"shadowradix: serving {runtime.model_name} on http://{host}:{port}", file=sys.stderr,
+          flush=True)
+    server.run(sockets=[sock])
+    return 0
