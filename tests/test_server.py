@@ -405,3 +405,15 @@ def test_metrics_count_what_was_served(server, client):
     # The buckets are vLLM's.
     assert "shadowradix:time_to_first_token_seconds_bucket{le=2560.0}" in after
     assert "shadowradix:inter_token_latency_seconds_bucket{le=80.0}" in after
+
+
+def test_defaults_follow_openai(client):
+    """Completions default to 16 tokens; `developer` is the system prompt."""
+    out = client.completions.create(model="tiny", prompt="Hello", temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
+    dev = client.chat.completions.create(model="tiny", max_tokens=1, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    sys_ = client.chat.completions.create(model="tiny", max_tokens=1, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert dev.usage.prompt_tokens == sys_.usage.prompt_tokens

@@ -53,7 +53,7 @@ class EngineLoop:
 
     def __init__(self, build: Callable[[], Engine], metrics: ServerMetrics,
                  max_queue: int | None = None) -> None:
-        self._build = build
+        self.build = build  # makes the engine, on the engine thread
         self.metrics = metrics
         self.max_queue = max_queue
         self.engine: Engine | None = None
@@ -107,7 +107,7 @@ class EngineLoop:
     # ---------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
-            self.engine = self._build()
+            self.engine = self.build()
         except BaseException as e:
             log.exception("the model failed to load")
             self.load_error = e

@@ -12,6 +12,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +116,12 @@ class Generation:
 
         prompts = [self.prompts[c.prompt_index] for c in self.choices]
         sub = Submission(prompts, self._params, deliver, self.arrival)
+        fut = self.loop.submit(sub)
         try:
-            ids = await asyncio.wrap_future(self.loop.submit(sub))
+            ids = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # e.g. a shutdown: whatever the engine took, it drops
+            fut.add_done_callback(self._abort_if_added)
+            raise
         except Overloaded as e:
             raise ApiError(str(e), status=503, code="overloaded", type="server_error",
                            headers={"Retry-After": "1"}) from None
@@ -128,6 +133,10 @@ class Generation:
         for c, rid in zip(self.choices, ids, strict=True):
             c.request_id = rid
         self._open = len(ids)
+
+    def _abort_if_added(self, fut: Future[list[str]]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.loop.abort(fut.result())
 
     async def events(self) -> AsyncIterator[tuple[Choice, str]]:
         """(choice, new text) as tokens arrive; a choice's last event has its

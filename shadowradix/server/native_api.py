@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shadowradix.server.generation import Choice, Generation, Options, stop_list
@@ -58,7 +59,7 @@ def _meta(gen: Generation, c: Choice) -> dict[str, Any]:
 async def generate(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
     body = parse(GenerateRequest, await request.body())
-    prompts, batch = _prompts(rt, body)
+    prompts, batch = await run_in_threadpool(_prompts, rt, body)
     sp = body.sampling_params
     gen = rt.generation(prompts, Options(
         max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
@@ -85,9 +86,11 @@ async def _stream(gen: Generation) -> AsyncIterator[bytes]:
         async for c, _ in gen.events():
             yield sse({"index": c.index, "text": c.text.output, "output_ids": c.token_ids,
                        "meta_info": _meta(gen, c)})
-        yield b"data: [DONE]\n\n"
+    except ApiError as e:  # the status line is long gone: the error is the last event
+        yield sse(e.body())
     finally:
         gen.close()
+    yield b"data: [DONE]\n\n"
 
 
 async def flush_cache(request: Request) -> Any:
@@ -119,8 +122,7 @@ async def tokenize(request: Request) -> Any:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        ids = rt.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages],
-                             body.add_generation_prompt)
+        ids = rt.chat_prompt([m.as_dict() for m in body.messages], body.add_generation_prompt)
     else:
         assert body.prompt is not None
         ids = rt.encode(body.prompt, body.add_special_tokens)

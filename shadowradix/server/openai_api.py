@@ -1,5 +1,8 @@
 """OpenAI-compatible `/v1/completions` and `/v1/chat/completions`, streamed or whole.
 
+Prompts are tokenized on a worker thread, so a long one never stalls the event loop that
+streams everyone else's tokens.
+
 Streams are server-sent events, `data: {json}` per chunk and `data: [DONE]` at the end,
 as OpenAI sends them: chat opens each choice with its role, a choice's last chunk carries
 its finish_reason, and `stream_options.include_usage` adds a last chunk with `choices: []`
@@ -14,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shadowradix.server.generation import Generation, Options, stop_list
@@ -44,7 +48,7 @@ async def completions(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
     body = parse(CompletionRequest, await request.body())
     rt.check_model(body.model)
-    prompts = _prompts(rt, body.prompt)
+    prompts = await run_in_threadpool(_prompts, rt, body.prompt)
     gen = rt.generation(prompts, _options(body, body.max_tokens))
     return await _respond(request, rt, gen, body, chat=False)
 
@@ -53,7 +57,7 @@ async def chat_completions(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
     body = parse(ChatRequest, await request.body())
     rt.check_model(body.model)
-    prompt = rt.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+    prompt = await run_in_threadpool(rt.chat_prompt, [m.as_dict() for m in body.messages])
     gen = rt.generation([prompt], _options(body, body.limit))
     return await _respond(request, rt, gen, body, chat=True)
 
@@ -118,6 +122,8 @@ async def _stream(gen: Generation, head: dict[str, Any], chat: bool,
                 yield chunk(c.index, None, c.finish_reason, c.matched)
         if include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage()})
-        yield b"data: [DONE]\n\n"
+    except ApiError as e:  # the status line is long gone: the error is the last event
+        yield sse(e.body())
     finally:  # a client that disconnects cancels this generator: its requests end here
         gen.close()
+    yield b"data: [DONE]\n\n"

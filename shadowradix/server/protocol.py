@@ -74,6 +74,7 @@ class Sampling(Body):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
     echo: Literal[False] = False
     logprobs: Literal[0] | None = None
     suffix: Literal[""] | None = None
@@ -87,6 +88,11 @@ class TextPart(Body):
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """For the chat template: OpenAI's `developer` role is the system prompt."""
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": self.text()}
 
     def text(self) -> str:
         if isinstance(self.content, list):

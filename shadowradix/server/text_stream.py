@@ -58,9 +58,8 @@ class TextStream:
 
     def _release(self, final: bool) -> str:
         if self.stop and self.stopped is None:
-            # A stop string may straddle what was sent and what is new: search from there.
-            start = max(0, self.sent - self.hold)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            # None starts before `sent`: the hold kept back any that could, until whole.
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, self.sent)) >= 0]
             if hits:
                 cut, self.stopped = min(hits)
                 self.text = self.text[:cut]
