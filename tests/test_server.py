@@ -11,8 +11,8 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 from server_util import ServerThread, metrics, wait_for
+from tiny_model import greedy_tokens
 
 from shadowradix.demo import tiny_deepseek_v4
 from shadowradix.server.tokenizer import tiny_tokenizer
@@ -40,15 +40,6 @@ def reference():
     return tiny_deepseek_v4(), tiny_tokenizer(1024)
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens: a full uncached forward per token."""
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
-
-
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"}
 
@@ -63,7 +54,8 @@ def test_greedy_completion_is_transformers_greedy(client, reference, prompt):
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
                                     extra_body={"ignore_eos": True})
     ids = tok.encode(prompt)
-    assert out.choices[0].text == tok.decode(hf_greedy(model, ids, 10), skip_special_tokens=True)
+    want = tok.decode(greedy_tokens(model, ids, 10), skip_special_tokens=True)
+    assert out.choices[0].text == want
     assert out.choices[0].finish_reason == "length"
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
 
@@ -76,7 +68,7 @@ def test_greedy_chat_is_transformers_greedy(client, reference):
                                          temperature=0, extra_body={"ignore_eos": True})
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False)
-    assert out.choices[0].message.content == tok.decode(hf_greedy(model, ids, 8),
+    assert out.choices[0].message.content == tok.decode(greedy_tokens(model, ids, 8),
                                                         skip_special_tokens=True)
     assert out.choices[0].message.role == "assistant"
     assert out.usage.prompt_tokens == len(ids)
@@ -345,7 +337,7 @@ def test_native_generate(server, reference):
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 9, "temperature": 0,
                                                    "ignore_eos": True}}
     out = httpx.post(f"{server.url}/generate", headers=auth(), json=body).json()
-    want = hf_greedy(model, ids, 9)
+    want = greedy_tokens(model, ids, 9)
     assert out["output_ids"] == want
     assert out["text"] == tok.decode(want, skip_special_tokens=True)
     meta = out["meta_info"]

@@ -11,8 +11,8 @@ import threading
 
 import httpx
 import pytest
-import torch
 from server_util import ServerProcess, ServerThread, metrics, serve_args, wait_for
+from tiny_model import greedy_tokens
 
 from shadowradix.demo import tiny_deepseek_v4
 from shadowradix.server.engine_loop import EngineLoop
@@ -27,14 +27,6 @@ def checkpoint(tmp_path_factory):
     tiny_deepseek_v4(seed=3).save_pretrained(path)
     tiny_tokenizer(1024).save_pretrained(path)
     return path
-
-
-def greedy(model, ids: list[int], n: int) -> list[int]:
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
 
 
 def test_health_is_503_until_the_model_is_loaded():
@@ -144,7 +136,7 @@ def test_checkpoint_directory_sigterm_drains_and_storage_survives(checkpoint, tm
     messages = [{"role": "user", "content": "Tell me about the cache. " * 8}]
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False)
-    want = tok.decode(greedy(hf, ids, 120), skip_special_tokens=True)
+    want = tok.decode(greedy_tokens(hf, ids, 120), skip_special_tokens=True)
     args = ("--model", str(checkpoint), "--page-size", "16", "--storage",
             f"file://{tmp_path / 'l3'}", "--served-model-name", "ckpt")
     server = ServerProcess(*args)

@@ -25,6 +25,14 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(torch.tensor([tokens])).logits[0].float()
 
 
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens: one full uncached forward per token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(reference_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
 class Driver:
     """A request's life through the CacheManager on real storage: admit, then per chunk grow,
     forward and cache the computed prefix (the window it left joins the tree), then finish."""

@@ -20,7 +20,7 @@ from shadowradix.engine import SamplingParams
 from shadowradix.engine.request import StepOutput
 from shadowradix.server.engine_loop import Delivery, EngineLoop, Overloaded, Submission
 from shadowradix.server.metrics import ServerMetrics
-from shadowradix.server.protocol import ApiError
+from shadowradix.server.protocol import ApiError, Decoding
 from shadowradix.server.text_stream import TextStream
 
 TIERS = ("device", "host", "storage")
@@ -61,8 +61,13 @@ class Choice:
         return sum((self.cached_by_tier or {}).values())
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
+def options(body: Decoding, max_tokens: int | None, seed: int | None) -> Options:
+    """A request body's decoding fields (its own names for the limit and the seed)."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return Options(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                   seed=seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+                   ignore_eos=body.ignore_eos, n=body.n,
+                   skip_special_tokens=body.skip_special_tokens)
 
 
 class Generation:

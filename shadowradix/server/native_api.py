@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shadowradix.server.generation import Choice, Generation, Options, stop_list
+from shadowradix.server.generation import Choice, Generation, options
 from shadowradix.server.protocol import (
     ApiError,
     DetokenizeRequest,
@@ -61,11 +61,7 @@ async def generate(request: Request) -> Any:
     body = parse(GenerateRequest, await request.body())
     prompts, batch = await run_in_threadpool(_prompts, rt, body)
     sp = body.sampling_params
-    gen = rt.generation(prompts, Options(
-        max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-        seed=sp.sampling_seed, stop=stop_list(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos, n=sp.n,
-        skip_special_tokens=sp.skip_special_tokens))
+    gen = rt.generation(prompts, options(sp, sp.max_new_tokens, sp.sampling_seed))
     await gen.start()
     if body.stream:
         return StreamingResponse(_stream(gen), media_type="text/event-stream",

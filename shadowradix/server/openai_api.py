@@ -20,16 +20,9 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shadowradix.server.generation import Generation, Options, stop_list
+from shadowradix.server.generation import Generation, options
 from shadowradix.server.protocol import ApiError, ChatRequest, CompletionRequest, Sampling, parse
 from shadowradix.server.runtime import Runtime, sse, watch_disconnect
-
-
-def _options(body: Sampling, max_tokens: int | None) -> Options:
-    return Options(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                   seed=body.seed, stop=stop_list(body.stop),
-                   stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                   n=body.n, skip_special_tokens=body.skip_special_tokens)
 
 
 def _prompts(rt: Runtime, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
@@ -49,7 +42,7 @@ async def completions(request: Request) -> Any:
     body = parse(CompletionRequest, await request.body())
     rt.check_model(body.model)
     prompts = await run_in_threadpool(_prompts, rt, body.prompt)
-    gen = rt.generation(prompts, _options(body, body.max_tokens))
+    gen = rt.generation(prompts, options(body, body.max_tokens, body.seed))
     return await _respond(request, rt, gen, body, chat=False)
 
 
@@ -58,7 +51,7 @@ async def chat_completions(request: Request) -> Any:
     body = parse(ChatRequest, await request.body())
     rt.check_model(body.model)
     prompt = await run_in_threadpool(rt.chat_prompt, [m.as_dict() for m in body.messages])
-    gen = rt.generation([prompt], _options(body, body.limit))
+    gen = rt.generation([prompt], options(body, body.limit, body.seed))
     return await _respond(request, rt, gen, body, chat=True)
 
 

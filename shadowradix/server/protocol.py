@@ -51,21 +51,26 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class Sampling(Body):
+class Decoding(Body):
+    """What every generating endpoint takes, under the same names."""
+
+    temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: PositiveInt = 1
+
+
+class Sampling(Decoding):
     """What the OpenAI endpoints share."""
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop: Stop = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: PositiveInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    skip_special_tokens: bool = True
     # Accepted at their defaults only: anything else would change the answer silently.
     frequency_penalty: ZeroOnly | None = None
     presence_penalty: ZeroOnly | None = None
@@ -112,18 +117,11 @@ class ChatRequest(Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class GenerateSampling(Body):
+class GenerateSampling(Decoding):
     """SGLang's `sampling_params`."""
 
     max_new_tokens: PositiveInt = 128
-    temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     sampling_seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop: Stop = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: PositiveInt = 1
 
 
 class GenerateRequest(Body):
