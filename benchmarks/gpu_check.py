@@ -12,6 +12,9 @@
    decodes that outgrow a small device (preemption) and a window pool smaller than the
    sequences, pages poisoned as they are handed out, write-back spills; every output
    against transformers, `check_integrity` after every step.
+4. The server on the device: `shadowradix serve --model tiny --device DEV` (uvicorn on
+   127.0.0.1), four concurrent greedy `/generate` requests against transformers' greedy
+   tokens on the same device, and the metrics it exports.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import httpx
 from common import write_json
+from server_util import ServerThread, metrics
 from test_engine import rand_tokens
 from tiers import loadback_ratio
-from tiny_model import reference_logits, tiny_model
+from tiny_model import greedy_tokens, reference_logits, tiny_model
 
 from shadowradix import CacheConfig, Engine, SamplingParams
 
@@ -98,6 +103,35 @@ def online(device: torch.device) -> dict:
     return out
 
 
+def served(device: torch.device) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shadowradix.demo import tiny_deepseek_v4
+
+    server = ServerThread.from_args("--model", "tiny", "--device", str(device),
+                                    "--host-tokens", "8192")
+    try:
+        prompts = [rand_tokens(60 + 11 * i, 700 + i) for i in range(4)]
+
+        def ask(ids: list[int]) -> list[int]:
+            r = httpx.post(f"{server.url}/generate", timeout=120, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                      "ignore_eos": True}})
+            r.raise_for_status()
+            return r.json()["output_ids"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, prompts))
+        model = tiny_deepseek_v4().to(device)
+        same = sum(g == greedy_tokens(model, p, 16) for g, p in zip(got, prompts, strict=True))
+        m = metrics(server.url)
+        return {"greedy_identical": same, "requests": len(prompts),
+                "generation_tokens": m["shadowradix:generation_tokens_total"],
+                "ttft_count": m["shadowradix:time_to_first_token_seconds_count"]}
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
@@ -109,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         result = {"device": str(device), "torch": torch.__version__,
                   "exactness": exactness(device, Path(tmp)),
                   "online": online(device),
+                  "served": served(device),
                   "loadback": loadback_ratio(str(device))}
     ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
     ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
                     for v in result["online"].values())
+    ok = ok and result["served"]["greedy_identical"] == result["served"]["requests"]
     result["ok"] = ok
     print(f"device {device}")
     for key, v in result["exactness"].items():
@@ -121,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, v in result["online"].items():
         print(f"  online {key:19} max |logit diff| {v['max_logit_diff']:.1e}; {v['finished']} "
               f"finished, {v['preemptions']} preemptions in {v['steps']} steps")
+    sv = result["served"]
+    print(f"  served                     {sv['greedy_identical']}/{sv['requests']} greedy "
+          f"answers identical to transformers; {sv['generation_tokens']:.0f} tokens generated")
     lb = result["loadback"]
     for case in ("consecutive", "scattered"):
         print(f"  load-back {case:11} {lb[case]['ratio']:.2f}x raw ({lb[case]['GBps']:.1f} vs "
