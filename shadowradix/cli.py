@@ -1,4 +1,5 @@
-"""Command line: `shadowradix demo`, `shadowradix simulate TRACE ...`, `shadowradix serve`."""
+"""Command line: `shadowradix demo`, `shadowradix simulate TRACE ...`, `shadowradix serve`,
+`shadowradix trace synth|from-chats`."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--limit", type=int, default=None, help="first N requests only")
     sim.add_argument("--json", type=Path, default=None)
     sim.add_argument("--plot", type=Path, default=None, help="PNG of hit rate vs device GB")
+    _add_trace_commands(sub)
     srv = sub.add_parser("serve", help="an OpenAI-compatible server (also SGLang's /generate) "
                          "with Prometheus metrics")
     from shadowradix.server.serve import add_arguments
@@ -76,10 +78,95 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shadowradix.server.serve import serve
 
             return serve(args)
+        if args.command == "trace":
+            return _synth(args) if args.trace_command == "synth" else _from_chats(args)
         return _simulate(args)
     except (ValueError, OSError) as e:  # TraceError is a ValueError; OSError: port in use
         print(f"shadowradix: error: {e}", file=sys.stderr)
         return 2
+
+
+TRACE_HELP = """\
+Write Mooncake-format traces with sequence chains: besides hash_ids (the prompt's blocks)
+each line has sequence_hash_ids (the blocks of prompt + output), so a replay inserts what
+the request really ended with and a chat's next turn matches all of it.
+"""
+
+
+def _add_trace_commands(sub: Any) -> None:
+    from shadowradix.sim.synth import PROMPT_TOKENS, REPLY_TOKENS, SYSTEM_TOKENS
+
+    trace = sub.add_parser("trace", help="make traces: synthetic chats, or your own chat logs",
+                           description=TRACE_HELP, formatter_class=argparse.RawTextHelpFormatter)
+    cmds = trace.add_subparsers(dest="trace_command", required=True)
+    syn = cmds.add_parser("synth", help="multi-turn chat traffic (Poisson arrivals, shared "
+                          "system prompts, lognormal lengths)")
+    syn.add_argument("--conversations", type=int, default=100)
+    syn.add_argument("--turns-min", type=int, default=1)
+    syn.add_argument("--turns-max", type=int, default=6)
+    syn.add_argument("--system-prompts", type=int, default=4, metavar="K",
+                     help="shared system prompts, each conversation picks one")
+    for name, dist, what in (("system", SYSTEM_TOKENS, "a system prompt"),
+                             ("prompt", PROMPT_TOKENS, "each new user message"),
+                             ("reply", REPLY_TOKENS, "each reply")):
+        syn.add_argument(f"--{name}-tokens", default=f"{dist.median:g},{dist.sigma:g}",
+                         metavar="MEDIAN[,SIGMA]",
+                         help=f"lognormal length of {what} (default %(default)s)")
+    syn.add_argument("--rate", type=float, default=1.0, help="conversations per second")
+    syn.add_argument("--think-time", type=float, default=60.0,
+                     help="mean seconds between a conversation's turns (exponential)")
+    syn.add_argument("--max-context", type=int, default=131072,
+                     help="a conversation ends before a sequence would pass this")
+    syn.add_argument("--block-size", type=int, default=512, help="tokens per hash block")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--prompt-only", action="store_true",
+                     help="leave out sequence_hash_ids (what Mooncake's traces record)")
+    syn.add_argument("-o", "--output", type=Path, required=True, help="OUT.jsonl[.gz]")
+    chats = cmds.add_parser("from-chats", help="a trace from chat logs, through a tokenizer "
+                            "and its chat template")
+    chats.add_argument("chats", type=Path, help='JSONL: one conversation a line, '
+                       '{"messages": [...], "timestamp": ms} or a list of messages')
+    chats.add_argument("--tokenizer", required=True, metavar="DIR",
+                       help="a model directory with a tokenizer and a chat template")
+    chats.add_argument("--block-size", type=int, default=512, help="tokens per hash block")
+    chats.add_argument("--gap-ms", type=int, default=1000,
+                       help="between conversations without a timestamp, and between turns")
+    chats.add_argument("-o", "--output", type=Path, required=True, help="OUT.jsonl[.gz]")
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shadowradix.sim import synth
+    from shadowradix.sim.trace import write_trace
+
+    shape = synth.ChatShape(
+        conversations=args.conversations, turns_min=args.turns_min, turns_max=args.turns_max,
+        system_prompts=args.system_prompts,
+        system_tokens=synth.Lengths.parse(args.system_tokens, synth.SYSTEM_TOKENS.sigma),
+        prompt_tokens=synth.Lengths.parse(args.prompt_tokens, synth.PROMPT_TOKENS.sigma),
+        reply_tokens=synth.Lengths.parse(args.reply_tokens, synth.REPLY_TOKENS.sigma),
+        rate=args.rate, think_time=args.think_time, max_context=args.max_context,
+        block_size=args.block_size, seed=args.seed)
+    requests = synth.synth_trace(shape)
+    if args.prompt_only:
+        requests = [replace(r, sequence_hash_ids=None) for r in requests]
+    n = write_trace(args.output, requests)
+    print(f"wrote {n:,} requests of {args.conversations:,} conversations to {args.output}")
+    return 0
+
+
+def _from_chats(args: argparse.Namespace) -> int:
+    from shadowradix.sim.chats import from_chats
+    from shadowradix.sim.trace import write_trace
+
+    requests, summary = from_chats(args.chats, args.tokenizer, args.block_size, args.gap_ms)
+    n = write_trace(args.output, requests)
+    print(f"wrote {n:,} requests of {summary.conversations:,} conversations to {args.output}")
+    if summary.unchained:
+        print(f"{summary.unchained:,} requests without sequence_hash_ids: the chat template "
+              "renders their prompt differently from the start of their sequence")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

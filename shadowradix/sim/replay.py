@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shadowradix.sim.storage import SimStorage
-from shadowradix.sim.trace import BLOCK_TOKENS, OUTPUT_TOKEN_BASE, TraceRequest
+from shadowradix.sim.trace import OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.prefix_cache import PrefixCache
@@ -85,8 +85,10 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
     """Drive `cache` with `requests` in order, one at a time, through the engine's own
     CacheManager; returns counters and timings.
 
-    with_output: insert prompt + `output_length` synthetic output tokens (a
-        conversation's next turn could resume there), not just the prompt.
+    with_output: insert prompt + output, not just the prompt, so a conversation's next
+        turn can resume there: the sequence's own blocks when the request has a sequence
+        chain (`sequence_hash_ids`; a later prompt that starts with it matches it), else
+        `output_length` fresh tokens that nothing else contains.
     chunk_pages: prefill in chunks of this many pages; after each chunk the computed
         prefix joins the tree as the engine's does (`CacheManager.cache_prefix`), so the
         pages that left the window become evictable cache (or are freed at once, by an
@@ -103,18 +105,10 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
     manager = CacheManager(cache, host, storage)
     ps = cache.layout.page_size
     st = ReplayStats(peak_pages={n: 0 for n in cache.layout.pool_names})
-    next_output = OUTPUT_TOKEN_BASE
+    tokens = _Tokens(with_output)
     t_start = time.perf_counter()
-    buffer = np.empty(0, dtype=np.int32)
     for i, req in enumerate(requests):
-        if buffer.size < len(req.hash_ids) * BLOCK_TOKENS:
-            buffer = np.empty(2 * len(req.hash_ids) * BLOCK_TOKENS, dtype=np.int32)
-        prompt = req.prompt_tokens(buffer)  # the tree copies what it keeps
-        seq = prompt
-        if with_output and req.output_length:
-            out = np.arange(next_output, next_output + req.output_length, dtype=np.int32)
-            next_output += req.output_length
-            seq = np.concatenate([prompt, out])
+        prompt, seq = tokens(req)
         st.requests += 1
         st.prompt_tokens += prompt.size
         st.prompt_pages += -(-prompt.size // ps)
@@ -148,6 +142,32 @@ def replay(cache: PrefixCache, requests: Iterable[TraceRequest], *, with_output:
             on_request(i)
     st.wall_s = time.perf_counter() - t_start
     return st
+
+
+class _Tokens:
+    """A request's tokens: the prompt it is admitted with and the sequence it finishes
+    with. Expands into one reused buffer (the tree copies what it keeps)."""
+
+    def __init__(self, with_output: bool) -> None:
+        self.with_output = with_output
+        self.next_output = OUTPUT_TOKEN_BASE
+        self.buffer = np.empty(0, dtype=np.int32)
+
+    def __call__(self, req: TraceRequest) -> tuple[np.ndarray, np.ndarray]:
+        # Requests made of explicit tokens (tests) bring their own array: no room needed.
+        need = req.expanded_tokens if isinstance(req, TraceRequest) else 0
+        if self.buffer.size < need:
+            self.buffer = np.empty(2 * need, dtype=np.int32)
+        if isinstance(req, TraceRequest) and req.sequence_hash_ids is not None:
+            seq = req.sequence_tokens(self.buffer)  # the prompt is its start
+            prompt = seq[:req.input_length]
+            return prompt, (seq if self.with_output else prompt)
+        prompt = req.prompt_tokens(self.buffer)
+        if not (self.with_output and req.output_length):
+            return prompt, prompt
+        start, self.next_output = self.next_output, self.next_output + req.output_length
+        return prompt, np.concatenate([prompt, np.arange(start, self.next_output,
+                                                         dtype=np.int32)])
 
 
 def _run(manager: CacheManager, lease: Lease, seq: np.ndarray, chunk: int,

@@ -17,7 +17,7 @@ from shadowradix.layout.spec import KVLayout
 from shadowradix.sim.replay import CountingMover, replay
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
 from shadowradix.sim.storage import SimStorage
-from shadowradix.sim.trace import BLOCK_TOKENS, TraceRequest
+from shadowradix.sim.trace import TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.policy import CheckpointPolicy
@@ -52,19 +52,25 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
 
 
 def bound_hit_rate(requests: Sequence[TraceRequest], page_size: int) -> float:
-    """The infinite-cache bound: for each request in order, k = leading hash ids seen in
-    earlier requests; hit = floor(min(k * 512, input_length - 1) / page_size) * page_size."""
+    """The infinite-cache bound. Each request leaves behind its `cached_blocks`: the blocks
+    of its sequence (prompt + output) when it has a sequence chain, else those of its
+    prompt (a made-up output matches nothing). For each request in order, k = leading
+    `prompt_blocks` found among what earlier requests left behind;
+    hit = floor(min(k * block_size, input_length - 1) / page_size) * page_size.
+    Without chains this is the share of prompt blocks seen in earlier prompts, as before.
+    Sharing is known to the block: a next turn resumes at the last full block of the
+    sequence before it. A replay with unbounded memory reaches the bound exactly (tested)."""
     seen: set[int] = set()
     hit = total = 0
     for req in requests:
         k = 0
-        for h in req.hash_ids:
+        for h in req.prompt_blocks:
             if h not in seen:
                 break
             k += 1
-        hit += min(k * BLOCK_TOKENS, req.input_length - 1) // page_size * page_size
+        hit += min(k * req.block_size, req.input_length - 1) // page_size * page_size
         total += req.input_length
-        seen.update(req.hash_ids)
+        seen.update(req.cached_blocks)
     return hit / max(total, 1)
 
 

@@ -1,80 +1,191 @@
-"""Mooncake-format request traces (shared/traces/README.md).
+"""Mooncake-format request traces (shared/traces/README.md), with optional sequence chains.
 
-Each line: {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}.
-Each hash id stands for 512 prompt tokens; two requests share a block id exactly
-when they share that block and everything before it.
+Each line: {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]},
+optionally "block_size" (tokens per block, default 512) and "sequence_hash_ids" (the same
+block chain over prompt + output). Each hash id stands for one block; two requests share a
+block id exactly when they share that block and everything before it.
+
+Mooncake's own traces hash the prompt only, so a replay can only make up the output, and a
+chat's next turn matches the previous prompt up to its last full block. A sequence chain
+records what the request really ended with, so the next turn matches all of it.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
+import xxhash
 
-BLOCK_TOKENS = 512
-# Synthetic output tokens live above every prompt token, so they never collide.
+BLOCK_TOKENS = 512  # Mooncake's block size, the default
+# Prompt tokens lie below this and synthetic output tokens above it, so they never collide.
 OUTPUT_TOKEN_BASE = 1 << 30
-_OFFSETS = np.arange(BLOCK_TOKENS, dtype=np.int32)
+
+
+@cache
+def _offsets(block_size: int) -> np.ndarray:
+    return np.arange(block_size, dtype=np.int32)
+
+
+def _expand(ids: Sequence[int], block_size: int, length: int,
+            out: np.ndarray | None) -> np.ndarray:
+    """Block h becomes h * block_size + [0, block_size); cut at `length`. Into `out` if
+    given (int32, at least len(ids) * block_size long), returning a view of it."""
+    n = len(ids) * block_size
+    if out is None:
+        out = np.empty(n, dtype=np.int32)
+    base = np.asarray(ids, dtype=np.int32) * block_size
+    np.add(base[:, None], _offsets(block_size), out=out[:n].reshape(-1, block_size))
+    return out[:length]
 
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
+    """One request. Construction checks the chains (ValueError), so every instance can be
+    expanded into tokens; a trace reader turns that into a TraceError naming the line."""
+
     timestamp: int
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    block_size: int = BLOCK_TOKENS
+    sequence_hash_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        problem = _problem(self)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def sequence_length(self) -> int:
+        return self.input_length + self.output_length
+
+    @property
+    def expanded_tokens(self) -> int:
+        """Room `prompt_tokens` and `sequence_tokens` need in a caller's buffer."""
+        return len(self.sequence_hash_ids or self.hash_ids) * self.block_size
+
+    @property
+    def prompt_blocks(self) -> tuple[int, ...]:
+        """The blocks the prompt's tokens come from. With a sequence chain, the prompt is
+        the start of the sequence, so a partial last prompt block is the sequence's block
+        there (the prompt's own id for it names a shorter block that nobody continues)."""
+        if self.sequence_hash_ids is None:
+            return self.hash_ids
+        return self.sequence_hash_ids[:len(self.hash_ids)]
+
+    @property
+    def cached_blocks(self) -> tuple[int, ...]:
+        """The blocks a finished request leaves in a cache that a later prompt can match:
+        its sequence's, or, without a chain, its prompt's (its output is unknown)."""
+        return self.hash_ids if self.sequence_hash_ids is None else self.sequence_hash_ids
 
     def prompt_tokens(self, out: np.ndarray | None = None) -> np.ndarray:
-        """Deterministic prompt tokens: block h expands to h * 512 + [0, 512).
+        """Deterministic prompt tokens: block h expands to h * block_size + [0, block_size),
+        the last block cut to input_length. With a sequence chain these are the first
+        input_length tokens of `sequence_tokens`.
 
-        With `out` (int32, at least len(hash_ids) * 512 long) the tokens are
-        written there and a view is returned: replay reuses one buffer instead
-        of allocating a fresh array per request.
+        With `out` (int32, at least `expanded_tokens` long) the tokens are written there
+        and a view is returned: replay reuses one buffer instead of allocating a fresh
+        array per request.
         """
-        ids = np.asarray(self.hash_ids, dtype=np.int32) * BLOCK_TOKENS
-        n = len(self.hash_ids) * BLOCK_TOKENS
-        if out is None:
-            out = np.empty(n, dtype=np.int32)
-        np.add(ids[:, None], _OFFSETS, out=out[:n].reshape(-1, BLOCK_TOKENS))
-        return out[:self.input_length]
+        return _expand(self.prompt_blocks, self.block_size, self.input_length, out)
+
+    def sequence_tokens(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Prompt + output tokens, expanded from the sequence chain (as `prompt_tokens`).
+        Raises ValueError when the request has no chain: its output is unknown."""
+        if self.sequence_hash_ids is None:
+            raise ValueError("this trace request has no sequence_hash_ids")
+        return _expand(self.sequence_hash_ids, self.block_size, self.sequence_length, out)
+
+    def to_json(self) -> dict[str, Any]:
+        """The trace line; the optional fields only when they say something."""
+        d: dict[str, Any] = {"timestamp": self.timestamp, "input_length": self.input_length,
+                             "output_length": self.output_length,
+                             "hash_ids": list(self.hash_ids)}
+        if self.block_size != BLOCK_TOKENS:
+            d["block_size"] = self.block_size
+        if self.sequence_hash_ids is not None:
+            d["sequence_hash_ids"] = list(self.sequence_hash_ids)
+        return d
 
 
 class TraceError(ValueError):
     """A trace line that is not a valid request; the message names file and line."""
 
 
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def _problem(req: TraceRequest) -> str | None:
+    """What makes `req` invalid, or None."""
+    bs = req.block_size
+    if bs < 1:
+        return f"block_size must be >= 1, got {bs}"
+    if req.input_length < 1 or req.output_length < 0:
+        return "input_length must be >= 1 and output_length >= 0"
+    if len(req.hash_ids) != _blocks(req.input_length, bs):
+        return (f"{len(req.hash_ids)} hash_ids for input_length {req.input_length} "
+                f"(expected {_blocks(req.input_length, bs)} blocks of {bs} tokens)")
+    # Tokens are h * block_size + offset in int32, below the synthetic outputs.
+    limit = OUTPUT_TOKEN_BASE // bs
+    seq = req.sequence_hash_ids
+    if any(h < 0 or h >= limit for h in (*req.hash_ids, *(seq or ()))):
+        return f"hash ids must lie in [0, {limit}) (2**30 // block_size)"
+    if seq is None:
+        return None
+    if len(seq) != _blocks(req.sequence_length, bs):
+        return (f"{len(seq)} sequence_hash_ids for input_length + output_length "
+                f"{req.sequence_length} (expected {_blocks(req.sequence_length, bs)})")
+    full = req.input_length // bs
+    if seq[:full] != req.hash_ids[:full]:
+        return (f"sequence_hash_ids must start with the {full} full prompt blocks of "
+                "hash_ids (the sequence is the prompt followed by the output)")
+    return None
+
+
 def _parse(line: str, where: str) -> TraceRequest:
     try:
         d = json.loads(line)
-        req = TraceRequest(int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                           tuple(int(h) for h in d["hash_ids"]))
-    except (ValueError, KeyError, TypeError) as e:
+        seq = d.get("sequence_hash_ids")
+        fields = (int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
+                  tuple(int(h) for h in d["hash_ids"]), int(d.get("block_size", BLOCK_TOKENS)),
+                  None if seq is None else tuple(int(h) for h in seq))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"{where}: not a trace request ({type(e).__name__}: {e})") from None
-    if req.input_length < 1 or req.output_length < 0:
-        raise TraceError(f"{where}: input_length must be >= 1 and output_length >= 0")
-    blocks = -(-req.input_length // BLOCK_TOKENS)
-    if len(req.hash_ids) != blocks:
-        raise TraceError(f"{where}: {len(req.hash_ids)} hash_ids for input_length "
-                         f"{req.input_length} (expected {blocks})")
-    if any(h < 0 or h >= (1 << 21) for h in req.hash_ids):
-        raise TraceError(f"{where}: hash ids must lie in [0, 2**21)")
-    return req
+    try:
+        return TraceRequest(*fields)
+    except ValueError as e:
+        raise TraceError(f"{where}: {e}") from None
 
 
 def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
-    """Requests in file order. Reads .jsonl or .jsonl.gz. Raises TraceError naming the line."""
+    """Requests in file order. Reads .jsonl or .jsonl.gz. Raises TraceError naming the line,
+    also when a line's block_size differs from the first line's (one trace, one block size:
+    ids of different block sizes cannot name the same tokens)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace {path} does not exist")
+    block_size = None
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
-                yield _parse(line, f"{path}:{lineno}")
+                req = _parse(line, f"{path}:{lineno}")
+                if block_size is None:
+                    block_size = req.block_size
+                elif req.block_size != block_size:
+                    raise TraceError(f"{path}:{lineno}: block_size {req.block_size} differs "
+                                     f"from the earlier lines' {block_size}; a trace has one "
+                                     "block size")
+                yield req
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -84,6 +195,47 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
             break
         out.append(req)
     return out
+
+
+def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> int:
+    """Write `requests` as trace lines (.jsonl, or gzip for .gz); returns how many."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    f: IO[str]
+    with (gzip.open(path, "wt", encoding="utf-8") if path.suffix == ".gz"
+          else path.open("w", encoding="utf-8")) as f:
+        for req in requests:
+            f.write(json.dumps(req.to_json()) + "\n")
+            n += 1
+    return n
+
+
+def chain_hashes(tokens: np.ndarray | Sequence[int], block_size: int) -> list[int]:
+    """A 128-bit hash per block of `tokens`, the last one possibly partial. Block i's hash
+    covers every token up to the end of block i (it hashes block i-1's hash with block i's
+    tokens), so equal hashes mean equal prefixes, and a partial block shares a hash only
+    with the identical partial block."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    out: list[int] = []
+    prev = b""
+    for start in range(0, arr.size, block_size):
+        h = xxhash.xxh3_128_intdigest(prev + arr[start:start + block_size].tobytes())
+        out.append(h)
+        prev = h.to_bytes(16, "little")
+    return out
+
+
+class DenseIds:
+    """Small block ids for raw chain hashes, numbered by first appearance: a trace's ids
+    expand into int32 tokens, so they must stay below 2**30 // block_size."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, int] = {}
+
+    def __call__(self, hashes: Iterable[int]) -> tuple[int, ...]:
+        ids = self._ids
+        return tuple(ids.setdefault(h, len(ids)) for h in hashes)
 
 
 def bundled_trace(name: str = "conversation") -> Path:
