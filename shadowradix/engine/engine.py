@@ -27,8 +27,10 @@ from shadowradix.engine.scheduler import Chunk, Scheduler
 from shadowradix.engine.validation import checked_batch, model_layout
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
+from shadowradix.model.attention import CSA
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
+from shadowradix.sparse import AccessStream
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager
 from shadowradix.tiers.mover import mover_for
@@ -43,12 +45,18 @@ class Engine:
     generate() (a loop over add_request / step) returns Results whose logits equal
     transformers' uncached forward within float32 rounding, whatever the cache
     served. Bad input raises ValueError before any state changes. step_tokens: the
-    tokens one step feeds (decode tokens first, then prefill chunks).
+    tokens one step feeds (decode tokens first, then prefill chunks). record_topk: record
+    each request's decode-time C4 selections per CSA layer into `Result.topk` (HiSparse's
+    access streams, for offline replay); off, nothing is recorded and nothing is slower.
     """
 
-    def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512) -> None:
+    def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512,
+                 record_topk: bool = False) -> None:
         if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
             raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
+        if not isinstance(record_topk, bool):
+            raise ValueError(f"record_topk must be a bool, got {record_topk!r}")
+        self.record_topk = record_topk
         self.layout = model_layout(hf_model, config.page_size)
         cfg = hf_model.config
         self.device = next(hf_model.parameters()).device
@@ -66,6 +74,8 @@ class Engine:
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(cfg.layer_types))
         self.runner = DeepseekV4Runner(hf_model.eval())
+        self._csa_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == CSA]
+        self._index_topk = int(getattr(cfg, "index_topk", 1))
         self.storage = None
         if config.storage is not None:
             self.storage = StorageTier(open_storage(config.storage, config.storage_cap_bytes),
@@ -131,6 +141,8 @@ class Engine:
         gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
         rid = f"req-{next(self._ids)}"
         req = Request(rid, ids, len(ids), p, gen, return_logits)
+        if self.record_topk:
+            req.topk = {}
         if not self.scheduler.fits_ever(req):
             need = self.manager.peak_pages(req.max_tokens, self.scheduler.step_tokens)
             have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
@@ -202,6 +214,9 @@ class Engine:
         segments = []
         for c in chunks:
             kv = self._page_tables(c.request)
+            if self.record_topk:  # a chunk that ends at an output token ends in a decode query
+                decode = c.end == len(c.request.ids) and c.end > c.request.prompt_len
+                kv.topk = c.request.topk if decode else None
             if self.host is not None:
                 assert c.request.lease is not None
                 self._wait_for_copies(c.request.lease.ready)
@@ -276,7 +291,17 @@ class Engine:
         logits = torch.stack(req.logits) if req.keep_logits else None
         self._counters["host_tokens"] += req.from_host
         self._counters["storage_tokens"] += req.from_storage
-        return Result(req.outputs, logits, req.cached, req.cached_by_tier)
+        return Result(req.outputs, logits, req.cached, req.cached_by_tier, self._streams(req))
+
+    def _streams(self, req: Request) -> dict[int, AccessStream] | None:
+        """The request's recorded selections as one AccessStream per CSA layer (record_topk);
+        the log is released."""
+        if req.topk is None:
+            return None
+        log, req.topk = req.topk, None
+        return {layer: AccessStream.from_steps(
+            self._index_topk, [(ids.cpu().numpy(), n) for ids, n in log.get(layer, [])])
+            for layer in self._csa_layers}
 
     # ---------------------------------------------------------------- status
     def stats(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import torch
 
 from shadowradix.engine.config import SamplingParams
 from shadowradix.model.context import RequestKV
+from shadowradix.sparse import AccessStream
 from shadowradix.tiers.manager import Lease
 from shadowradix.tiers.storage_tier import Fetched
 
@@ -21,6 +22,9 @@ class Result:
     logits: torch.Tensor | None  # float32 [len(output_ids), vocab]: the logits that chose them
     cached_tokens: int
     cached_by_tier: dict[str, int]
+    # With Engine(record_topk=True): per CSA layer, the C4 entries the indexer selected at
+    # each decode step (one step per output token fed back: every output but the last).
+    topk: dict[int, AccessStream] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Request:
     from_storage: int = 0
     admitted_at: float = 0.0  # time.monotonic() at its first admission
     logits: list[torch.Tensor] = field(default_factory=list)
+    topk: dict[int, list[tuple[torch.Tensor, int]]] | None = None  # RequestKV.topk's log
     done: bool = False
     result: Result | None = None
 

@@ -148,12 +148,16 @@ def _csa(comp: Any, hidden: torch.Tensor, q_residual: torch.Tensor,
     top_k = min(index.index_topk, count)
     threshold = (positions + 1) // ratio  # query t sees entry w only when w < threshold
     if count == 0:
+        if req.topk is not None:
+            req.topk.setdefault(layer, []).append((positions.new_zeros(0), 0))
         return hidden.new_zeros((L, 0, comp.head_dim)), torch.zeros(
             (L, 0), dtype=torch.bool, device=hidden.device)
     scores = index.scorer(q, keys[None], hidden[None])[0]  # [L, count]
     future = torch.arange(count, device=hidden.device)[None, :] >= threshold[:, None]
     picked = scores.masked_fill(future, NEG_INF).topk(top_k, dim=-1).indices  # [L, k]
     valid = picked < threshold[:, None]
+    if req.topk is not None:  # the last row sees every entry so far: count is its threshold
+        req.topk.setdefault(layer, []).append((picked[-1][valid[-1]], count))
     # A real sparse gather: only the k selected C4 entries per query are read.
     table = req.page_tables["c4"]
     flat = store.flat("c4", layer)

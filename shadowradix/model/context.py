@@ -35,10 +35,15 @@ class RequestKV:
 
     page_tables[pool]: long tensor, physical page of each logical page in [0, total pages).
     states[(layer, series)]: compressor state ("compressor" or "indexer").
+    topk: when set (not None), each CSA layer appends to topk[layer] the C4 entries the
+    indexer selected for the chunk's LAST query row, with the entry count then: (ids, count).
+    The caller sets it only for forwards whose last row it wants (HiSparse's access stream);
+    None, the default, records nothing.
     """
 
     page_tables: dict[str, torch.Tensor]
     states: dict[tuple[int, str], CompressorState] = field(default_factory=dict)
+    topk: dict[int, list[tuple[torch.Tensor, int]]] | None = None
 
 
 @dataclass(frozen=True)
