@@ -39,6 +39,8 @@ bench: install
 		--json out/tree_ops_dsv4_flash.json
 	$(BIN)/python benchmarks/engine.py --json out/engine.json
 	$(BIN)/python benchmarks/tiers.py --json out/tiers.json
+	$(BIN)/python benchmarks/serve.py --json out/serve.json
+	$(BIN)/python benchmarks/hisparse_replay.py --json out/hisparse_replay.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
