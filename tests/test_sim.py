@@ -8,9 +8,14 @@ import pytest
 from shadowradix.cli import main
 from shadowradix.layout import deepseek_v4_flash, deepseek_v4_pro, full_attention
 from shadowradix.sim import TraceError, bundled_trace, load_trace, replay
-from shadowradix.sim.simulate import POLICY_NAMES, bound_hit_rate, policy_choice, simulate
+from shadowradix.sim.simulate import (
+    POLICY_NAMES,
+    bound_hit_rate,
+    make_cache,
+    policy_choice,
+    simulate,
+)
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
-from shadowradix.tiers import PrefixCache
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +62,7 @@ def test_shadows_beat_a_conventional_cache_at_equal_bytes(conversation):
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_chunked_replay_under_pressure_keeps_every_invariant(policy, synthetic):
     choice = policy_choice(policy, checkpoint_every=2)
-    cache = PrefixCache(deepseek_v4_flash(), pages_for_budget(deepseek_v4_flash(), 6 * GB,
-                                                              choice.window_ratio), choice.policy)
+    cache = make_cache(deepseek_v4_flash(), choice, 6 * GB)
     st = replay(cache, synthetic[:300], with_output=True, chunk_pages=8, check_every=25)
     assert st.requests == 300 and st.cached_tokens > 0
     assert sum(cache.evicted.values()) > 0  # the pressure was real

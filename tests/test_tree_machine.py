@@ -53,11 +53,12 @@ class CacheMachine(RuleBasedStateMachine):
     layout: KVLayout = tiny_layout(PS)
     policy = CheckpointPolicy()
     pages = 14
+    budget: int | None = None  # bytes shared by every pool (pages are then ceilings)
     bounded = True  # eviction rules on; completeness is checked only when False
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = PrefixCache(self.layout, self.pages, self.policy)
+        self.cache = PrefixCache(self.layout, self.pages, self.policy, budget=self.budget)
         self.content: list[dict[int, int]] = [{} for _ in self.layout.pools]
         self.open: list[Open] = []
         self.inserted: list[list[int]] = []
@@ -203,6 +204,26 @@ class PeriodicMachine(CacheMachine):
     policy = CheckpointPolicy(every_pages=2)
 
 
+class AdaptiveMachine(CacheMachine):
+    """Learned checkpoints in pools that share one byte budget; the evict rule asks the
+    budget's own eviction (every pool at once) for a pool's worth of bytes."""
+
+    policy = CheckpointPolicy(learn_resume=True)
+    budget = 9 * sum(CacheMachine.layout.page_bytes().values())
+
+    def _evict_device(self, pool: str, n: int) -> None:
+        pb = self.layout.page_bytes()
+        self.cache.release(self.cache.tree.evict_bytes(
+            n * pb[pool], [pb[p.name] for p in self.layout.pools]))
+        assert self.cache.used_bytes() <= self.budget
+
+
+class UnboundedAdaptiveMachine(CacheMachine):
+    policy = CheckpointPolicy(learn_resume=True)
+    pages = 10_000
+    bounded = False
+
+
 class NoShadowsMachine(CacheMachine):
     policy = CheckpointPolicy(tombstones=False)
 
@@ -234,6 +255,8 @@ TestWideWindow = _test_case(WideWindowMachine)
 TestEager = _test_case(EagerMachine)
 TestPeriodic = _test_case(PeriodicMachine)
 TestNoShadows = _test_case(NoShadowsMachine)
+TestAdaptive = _test_case(AdaptiveMachine)
+TestUnboundedAdaptive = _test_case(UnboundedAdaptiveMachine)
 TestWindowOnly = _test_case(WindowOnlyMachine)
 TestUnbounded = _test_case(UnboundedMachine)
 TestUnboundedNoShadows = _test_case(UnboundedNoShadowsMachine)

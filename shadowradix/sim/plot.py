@@ -37,3 +37,55 @@ def plot_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
+
+
+STATIC_PREFIXES = ("periodic-", "eager-swa", "no-shadows")
+
+
+def envelope(runs: list[dict[str, Any]]) -> dict[float, dict[str, Any]]:
+    """Per device size, the best static setting (periodic K x window share, eager SWA,
+    no shadows): what a flag tuned for that size alone would reach."""
+    best: dict[float, dict[str, Any]] = {}
+    for r in runs:
+        gb = r["device_gb"]
+        if gb is None or not r["policy"].startswith(STATIC_PREFIXES):
+            continue
+        if gb not in best or r["hit_rate"] > best[gb]["hit_rate"]:
+            best[gb] = r
+    return best
+
+
+def plot_envelope(runs: list[dict[str, Any]], out: Path, title: str) -> None:
+    """A PNG: the adaptive and default policies and no shadows against the envelope of the
+    static settings, hit rate vs device GB. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = envelope(runs)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    xs = sorted(best)
+    ax.plot(xs, [100 * best[x]["hit_rate"] for x in xs], color="black", linewidth=2.5,
+            alpha=0.35, label="best static setting at each size")
+    for policy, style in (("adaptive", "o-"), ("shadowradix", "s--"), ("no-shadows", "^:")):
+        pts = sorted((r["device_gb"], 100 * r["hit_rate"]) for r in runs
+                     if r["policy"] == policy and r["device_gb"] is not None
+                     and (policy != "shadowradix" or r["window_ratio"] == 0.1))
+        if pts:
+            px, py = zip(*pts, strict=True)
+            ax.plot(px, py, style, label={"shadowradix": "default today (share 0.1)"}
+                    .get(policy, policy))
+    bound = 100 * runs[0]["bound_hit_rate"]
+    ax.axhline(bound, color="grey", linestyle="--", label=f"infinite-cache bound ({bound:.1f}%)")
+    ax.axhline(0.9 * bound, color="grey", linestyle=":", label="90% of bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("device KV memory (GB)")
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)

@@ -15,7 +15,7 @@ from typing import Any
 
 from shadowradix.layout.spec import KVLayout
 from shadowradix.sim.replay import CountingMover, replay
-from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
+from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget, pages_for_shared_budget
 from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import TraceRequest
 from shadowradix.tiers.host_tier import HostTier
@@ -23,24 +23,30 @@ from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.tier import DEVICE, HOST
 
-POLICY_NAMES = ("shadowradix", "periodic", "eager-swa", "no-shadows")
+POLICY_NAMES = ("shadowradix", "adaptive", "periodic", "eager-swa", "no-shadows")
 TIERS = ("device", "host", "storage")
+SHARED_FALLBACK_RATIO = 0.2  # the adaptive policy's window share when a host tier is on
 
 
 @dataclass(frozen=True)
 class PolicyChoice:
-    """A named tree policy plus how much of the budget its window pools get."""
+    """A named tree policy plus how much of the budget its window pools get (None: the
+    pools share one byte budget and the window pool's share follows the workload)."""
 
     name: str
     policy: CheckpointPolicy
-    window_ratio: float
+    window_ratio: float | None
 
 
 def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.1) -> PolicyChoice:
     """(a) shadowradix, (b) + periodic checkpoints, (c) eager SWA release (SGLang),
-    (d) no shadows: a conventional radix cache that keeps the window for every token."""
+    (d) no shadows: a conventional radix cache that keeps the window for every token.
+    adaptive: checkpoints where matches were seen to resume, and one byte budget shared
+    by every pool (no flags: checkpoint_every and window_ratio are ignored)."""
     if name == "shadowradix":
         return PolicyChoice(name, CheckpointPolicy(), window_ratio)
+    if name == "adaptive":
+        return PolicyChoice(name, CheckpointPolicy(learn_resume=True), None)
     if name == "periodic":
         return PolicyChoice(f"periodic-{checkpoint_every}",
                             CheckpointPolicy(every_pages=checkpoint_every), window_ratio)
@@ -49,6 +55,20 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
     if name == "no-shadows":
         return PolicyChoice(name, CheckpointPolicy(tombstones=False), 1.0)
     raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
+
+
+def make_cache(layout: KVLayout, choice: PolicyChoice, device_bytes: float,
+               host_bytes: float = 0.0) -> PrefixCache:
+    """The metadata-only cache a choice gets at these byte sizes: fixed pools split by its
+    window_ratio, or (window_ratio None, device alone) pools that share one budget.
+    With a host tier a shared-budget choice splits at SHARED_FALLBACK_RATIO instead."""
+    ratio = choice.window_ratio or (SHARED_FALLBACK_RATIO if host_bytes else None)
+    host = pages_for_budget(layout, host_bytes, ratio or 1.0) if host_bytes else None
+    if ratio is None:
+        return PrefixCache(layout, pages_for_shared_budget(layout, device_bytes), choice.policy,
+                           budget=int(device_bytes))
+    return PrefixCache(layout, pages_for_budget(layout, device_bytes, ratio), choice.policy,
+                       host_pages=host)
 
 
 def bound_hit_rate(requests: Sequence[TraceRequest], page_size: int) -> float:
@@ -83,15 +103,20 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     """One replay; `device_gb=None` means unbounded memory; `host_gb` > 0 adds a host
     tier of that size (pools split like the device's); `storage_gb` > 0 an L3 store of
     that size (inf: unbounded). Returns the JSON record."""
+    if host_gb < 0:
+        raise ValueError(f"host_gb must be >= 0, got {host_gb}")
+    # A shared budget needs the device alone; with a host tier the pools split as SGLang's.
+    ratio = choice.window_ratio or (SHARED_FALLBACK_RATIO if host_gb else None)
     if device_gb is None:
         tokens = sum(r.input_length + r.output_length for r in requests) + layout.page_size
         pages = {p.name: -(-tokens // layout.page_size) + 1 for p in layout.pools}
+        cache = PrefixCache(layout, pages, choice.policy, host_pages=(
+            pages_for_budget(layout, host_gb * GB, ratio or 1.0) if host_gb else None))
     else:
-        pages = pages_for_budget(layout, device_gb * GB, choice.window_ratio)
-    if host_gb < 0:
-        raise ValueError(f"host_gb must be >= 0, got {host_gb}")
-    host_pages = pages_for_budget(layout, host_gb * GB, choice.window_ratio) if host_gb else None
-    cache = PrefixCache(layout, pages, choice.policy, host_pages=host_pages)
+        cache = make_cache(layout, choice, device_gb * GB, host_gb * GB)
+    pages = {n: p.num_pages for n, p in cache.pools.items()}
+    budget = cache.budget
+    host_pages = bool(cache.host_pools)
     mover = CountingMover(layout.page_bytes())
     host = HostTier(cache, mover, write_policy) if host_pages else None  # type: ignore[arg-type]
     if storage_gb < 0:
@@ -117,8 +142,9 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
         "policy": choice.name, "layout": layout.name, "page_size": layout.page_size,
         "device_gb": device_gb, "host_gb": host_gb, "storage_gb": storage_gb,
         "write_policy": write_policy if host_pages else None,
-        "window_ratio": choice.window_ratio,
-        "pool_pages": pages, "pool_bytes": budget_bytes(pages, layout),
+        "window_ratio": ratio, "shared_budget": budget is not None,
+        "pool_pages": pages,
+        "pool_bytes": budget if budget is not None else budget_bytes(pages, layout),
         "requests": st.requests, "refused": st.refused,
         "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
         "cached_by_tier": {"device": st.cached_tokens - st.host_tokens - st.storage_tokens,

@@ -28,3 +28,16 @@ def budget_bytes(pages: dict[str, int], layout: KVLayout) -> int:
     """Bytes the pools take at these sizes (the inverse check of pages_for_budget)."""
     per_page = layout.page_bytes()
     return sum(per_page[name] * n for name, n in pages.items())
+
+
+def pages_for_shared_budget(layout: KVLayout, budget_bytes: float) -> dict[str, int]:
+    """Page ceilings for pools that share one byte budget (PrefixCache(budget=...)): the
+    most pages each pool could ever hold. ALL pools grow together (a cached page needs all
+    of them), so they share one ceiling; a short-lived pool may take the whole budget."""
+    if budget_bytes < 0:
+        raise ValueError(f"need budget >= 0, got {budget_bytes}")
+    per_page = layout.page_bytes()
+    unit = sum(per_page[p.name] for p in layout.pools if p.retention is Retention.ALL)
+    return {p.name: int(budget_bytes // (unit if p.retention is Retention.ALL
+                                         else per_page[p.name]))
+            for p in layout.pools}

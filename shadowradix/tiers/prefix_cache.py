@@ -50,12 +50,25 @@ def _pools(layout: KVLayout, sizes: dict[str, int], device: Any,
 class PrefixCache:
     """Tree plus pools. `pages` sizes every device pool alike (int) or each by name;
     `host_pages` likewise adds host pools (L2), in CPU memory (pinned when `device`
-    is CUDA) when the device pools have tensors."""
+    is CUDA) when the device pools have tensors.
+
+    `budget` (bytes; metadata-only pools, no host tier): the device pools share one byte
+    budget instead of each owning a fixed share. `pages` are then only ceilings (see
+    sim/sizing.py `pages_for_shared_budget`); allocation evicts across pools
+    (ShadowRadix.evict_bytes) to stay under the budget, so the window pool grows and
+    shrinks against the others with what the workload uses."""
 
     def __init__(self, layout: KVLayout, pages: int | Mapping[str, int],
                  policy: CheckpointPolicy | None = None, device: Any = None,
-                 host_pages: int | Mapping[str, int] | None = None) -> None:
+                 host_pages: int | Mapping[str, int] | None = None,
+                 budget: int | None = None) -> None:
+        if budget is not None and (device is not None or host_pages is not None or budget < 0):
+            raise ValueError("a shared budget needs metadata-only device pools (device=None), "
+                             "no host tier, and budget >= 0")
         self.layout = layout
+        self.budget = budget
+        self._page_bytes = layout.page_bytes()
+        self._row_bytes = [self._page_bytes[p.name] for p in layout.pools]
         self.tree = ShadowRadix(layout, policy, host=host_pages is not None)
         self.pools: dict[str, PagePool] = _pools(layout, _sizes(layout, pages), device)
         self.host_pools: dict[str, PagePool] = {}
@@ -121,8 +134,25 @@ class PrefixCache:
         """Whether `alloc(need, tier)` would succeed: free plus evictable pages cover every
         pool. Changes nothing."""
         pools, tree = self.tier_pools(tier), self.tree
-        return all(pools[name].free_pages + tree.evictable(name, tier) >= n
-                   for name, n in need.items() if n > 0)
+        if not all(pools[name].free_pages + tree.evictable(name, tier) >= n
+                   for name, n in need.items() if n > 0):
+            return False
+        if self.budget is None or tier != DEVICE:
+            return True
+        evictable = sum(tree.evictable(name) * self._page_bytes[name] for name in pools)
+        return self._short_bytes(need) <= evictable
+
+    def _short_bytes(self, need: Mapping[str, int]) -> int:
+        """Shared budget: bytes that must be let go before `need` fits (<= 0: none)."""
+        assert self.budget is not None
+        pb = self._page_bytes
+        used = sum(pool.used_pages * pb[name] for name, pool in self.pools.items())
+        return used + sum(n * pb[name] for name, n in need.items() if n > 0) - self.budget
+
+    def used_bytes(self, tier: int = DEVICE) -> int:
+        """Bytes of the pages in use in one tier's pools."""
+        pb = self._page_bytes
+        return sum(pool.used_pages * pb[name] for name, pool in self.tier_pools(tier).items())
 
     def alloc(self, need: Mapping[str, int], tier: int = DEVICE,
               room: SpillRoom | None = None) -> dict[str, np.ndarray] | None:
@@ -135,12 +165,20 @@ class PrefixCache:
         if not self.can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
+        if self.budget is not None and tier == DEVICE:
+            short = self._short_bytes(need)
+            if short > 0:
+                t0 = time.perf_counter()
+                self.release(self.tree.evict_bytes(short, self._row_bytes))
+                self.evict_seconds += time.perf_counter() - t0
         for name, n in need.items():  # evicting one pool never shrinks another's free list
             short = n - pools[name].free_pages
             if short > 0:
                 self.evict(name, short, tier, room)
         if any(not pools[name].can_alloc(n) for name, n in need.items()):
             raise AssertionError(f"eviction delivered less than evictable() promised for {need}")
+        if self.budget is not None and tier == DEVICE and self._short_bytes(need) > 0:
+            raise AssertionError(f"eviction left the shared budget short for {need}")
         return {name: pools[name].alloc(n) for name, n in need.items()}
 
     def free(self, pages: Mapping[str, np.ndarray], tier: int = DEVICE) -> None:

@@ -8,6 +8,8 @@ owns only the LRU heaps, and is mixed into the tree.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from shadowradix.layout.spec import KVLayout
@@ -78,6 +80,86 @@ class Eviction:
             if got < num_pages and (row not in self._loose[tier] or not self.policy.tombstones):
                 self._evict_leaves(tier, row, num_pages - got, freed, room)
         return self._evict_result(freed)
+
+    def evict_bytes(self, want: int, page_bytes: list[int]) -> EvictResult:
+        """One byte budget for every device pool: let at least `want` bytes go, if that
+        many are unlocked, choosing across pools (page_bytes: bytes per page, per row).
+
+        Loose WINDOW / CHECKPOINT pages go first, least recently used first: away from a
+        kept checkpoint they let nothing resume. Then whichever is older of the least
+        recently used kept checkpoint (its pages in every short-lived pool go together:
+        one is useless without the others) and the least recently used leaf (every pool).
+        So the window pool grows and shrinks against the others with what is used.
+        One tier only; mutates; evict_bytes(0, _) is a no-op.
+        """
+        if self.tiers != 1:
+            raise ValueError("a shared byte budget needs a tree without a host tier")
+        freed: Freed = [[[] for _ in range(self.n_pools)]]
+        got = _Tally(freed, page_bytes)
+        if want > 0 and self.policy.tombstones:
+            for row in self.short_lived_rows:
+                short = want - got()
+                if short > 0:
+                    self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed, None)
+        if want > got():
+            self._evict_older(want, page_bytes, freed, got)
+        for row in self.short_lived_rows if self.policy.tombstones else []:
+            short = want - got()  # kept pages the walk above did not reach (other rows)
+            if short > 0:
+                self._tombstone(DEVICE, row, True, -(-short // page_bytes[row]), freed, None)
+        return self._evict_result(freed)
+
+    def _evict_older(self, want: int, page_bytes: list[int], freed: Freed,
+                     got: _Tally) -> None:
+        """Kept checkpoints against leaves, older first, until `want` bytes are freed."""
+        rows = self.short_lived_rows if self.policy.tombstones else []
+        lead = max(rows, key=lambda r: page_bytes[r]) if rows else None
+        leaves = self._leaves[DEVICE].oldest(lambda n: not n.children)
+        kept = (self._kept[DEVICE][lead].oldest(lambda n: self._has(n, DEVICE, lead, True))
+                if lead is not None else iter(()))
+        skipped: list[Node] = []
+        leaf, ckpt = self._next_free(leaves, skipped), self._next_free(kept, skipped, lead)
+        while (leaf or ckpt) and got() < want:
+            if ckpt is not None and (leaf is None or ckpt.last_access <= leaf.last_access):
+                if ckpt.alive:
+                    self._drop_checkpoints(ckpt, rows, freed)
+                ckpt = self._next_free(kept, skipped, lead)
+            else:
+                assert leaf is not None
+                if leaf.alive and not leaf.children:
+                    self._remove_leaf(leaf, freed)
+                leaf = self._next_free(leaves, skipped)
+        for node in (*skipped, *(n for n in (leaf, ckpt) if n is not None)):
+            if node.alive:
+                self._enqueue(node)
+
+    def _next_free(self, it: Iterator[Node], skipped: list[Node],
+                   row: int | None = None) -> Node | None:
+        """The next node from an LRU walk that a lock does not hold (locked ones are set
+        aside in `skipped`, to be queued again)."""
+        for node in it:
+            locked = (node.full_lock > 0 if row is None
+                      else not np.count_nonzero(node.keep[row] & (node.window_lock == 0)
+                                                & (node.pages[row] >= 0)))
+            if not locked:
+                return node
+            skipped.append(node)
+        return None
+
+    def _drop_checkpoints(self, node: Node, rows: list[int], freed: Freed) -> None:
+        """Tombstone a node's unlocked kept pages in every short-lived pool."""
+        free_cols = node.window_lock == 0
+        for row in rows:
+            mask = (node.pages[row] >= 0) & node.keep[row] & free_cols
+            if np.count_nonzero(mask):
+                pages = node.pages[row, mask]
+                node.pages[row, mask] = -1
+                self._held[DEVICE][row] -= pages.size
+                freed[DEVICE][row].append(pages)
+        if not node.children and node.full_lock == 0:
+            self._drop_dead_leaf(node, freed)
+
+
 
     def prune(self, node: Node) -> EvictResult | None:
         """Remove `node` and unlocked ancestors while each is a leaf no tier can resume
@@ -287,3 +369,20 @@ class Eviction:
             for row in self.short_lived_rows:
                 self._loose[tier][row].add(node)
                 self._kept[tier][row].add(node)
+
+
+class _Tally:
+    """Bytes in a device `Freed`, counting each array once however often it is asked."""
+
+    def __init__(self, freed: Freed, page_bytes: list[int]) -> None:
+        self.rows = freed[DEVICE]
+        self.page_bytes = page_bytes
+        self.seen = [0] * len(self.rows)
+        self.total = 0
+
+    def __call__(self) -> int:
+        for row, arrays in enumerate(self.rows):
+            for a in arrays[self.seen[row]:]:
+                self.total += a.size * self.page_bytes[row]
+            self.seen[row] = len(arrays)
+        return self.total

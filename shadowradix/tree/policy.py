@@ -21,23 +21,31 @@ class CheckpointPolicy:
         part of a kept checkpoint are freed at insert instead of cached.
     tombstones: False gives a conventional radix cache: every pool of a node
         lives and dies with the node, so SWA is never dropped on its own.
+    learn_resume: the adaptive policy: also keep checkpoints a few pages before a
+        finished sequence's end, at the offsets where matches were seen to stop
+        (tree/resume.py). Learned from the matches, so it needs no flag per workload.
     """
 
     every_pages: int = 0
     branch_points: bool = True
     eager_window_release: bool = False
     tombstones: bool = True
+    learn_resume: bool = False
 
     def __post_init__(self) -> None:
         if self.every_pages < 0:
             raise ValueError(f"every_pages must be >= 0, got {self.every_pages}")
         if self.eager_window_release and not self.tombstones:
             raise ValueError("eager_window_release needs tombstones=True")
+        if self.learn_resume and not self.tombstones:
+            raise ValueError("learn_resume needs tombstones=True (without them every page "
+                             "is a checkpoint)")
 
 
 # The policies the simulator compares at equal bytes (issue: simulator, section 2).
 POLICIES: dict[str, CheckpointPolicy] = {
     "shadowradix": CheckpointPolicy(),
+    "adaptive": CheckpointPolicy(learn_resume=True),
     "eager-swa": CheckpointPolicy(eager_window_release=True),
     "no-shadows": CheckpointPolicy(tombstones=False),
 }

@@ -27,6 +27,7 @@ from shadowradix.tree.eviction import Eviction
 from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.results import InsertResult, LockHandle, MatchResult, Peek, _Probe
+from shadowradix.tree.resume import ResumeOffsets
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import TreeStats, count_stats
 from shadowradix.tree.tier import DEVICE, HOST
@@ -84,6 +85,7 @@ class ShadowRadix(Eviction):
         # n_pages in each of them (no need to look at its shadows).
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
+        self.resume = ResumeOffsets()  # read only under policy.learn_resume
         self._init_eviction()
 
     # ------------------------------------------------------------------ match
@@ -122,6 +124,8 @@ class ShadowRadix(Eviction):
             node.last_access = self._clock
             node.hits += 1
             node = node.parent
+        if self.policy.learn_resume:
+            self._learn(m, deepest)
         if (self.policy.branch_points and m.logical_len > m.prefix_len and deepest is not None
                 and deepest.alive and deepest is not self.root):
             depth = m.logical_len // self.page_size
@@ -132,6 +136,16 @@ class ShadowRadix(Eviction):
                 deepest.branch = True
             return tail
         return None
+
+    def _learn(self, m: MatchResult, deepest: Node | None) -> None:
+        """Count how far before the end of the sequence it matched into a match's logical
+        hit stopped. Only a hit that ends inside a leaf says where one sequence ends; one
+        that ends where children fork is a branch point, which branch marks serve."""
+        if deepest is None or deepest is self.root or not deepest.alive or deepest.children:
+            return
+        depth = m.logical_len // self.page_size
+        if deepest.start_page < depth <= deepest.end_page:
+            self.resume.observe(deepest.end_page - depth)
 
     def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
         """What `match_prefix` would answer, changing nothing (no split, no stamp, no hit):
@@ -287,9 +301,12 @@ class ShadowRadix(Eviction):
         """Per short-lived row, the sorted page indices that belong to kept checkpoints."""
         if n == 0 or not self.short_lived_rows:
             return []
-        if finished and not branch_ends and not self.policy.every_pages:  # the common case
+        learned = self.resume.offsets() if self.policy.learn_resume and finished else (0,)
+        if (finished and not branch_ends and not self.policy.every_pages
+                and len(learned) == 1):  # the common case
             return self._end_plan(n)
         ends = {*branch_ends, *([n] if finished else [])}
+        ends.update(n - o for o in learned[1:] if n - o > 0)
         if self.policy.every_pages:
             ends.update(range(self.policy.every_pages, n + 1, self.policy.every_pages))
         plan = [(row, sorted(q - 1 for q in ends)) for row in self.rule.checkpoint_rows]

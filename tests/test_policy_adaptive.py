@@ -1,0 +1,169 @@
+"""The adaptive policy: learned resume offsets, one byte budget shared by the pools."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import tiny_layout
+
+from shadowradix.layout import deepseek_v4_flash, deepseek_v4_pro
+from shadowradix.sim import bundled_trace, load_trace, replay
+from shadowradix.sim.simulate import make_cache, policy_choice, simulate
+from shadowradix.sim.sizing import GB, pages_for_shared_budget
+from shadowradix.tiers import PrefixCache
+from shadowradix.tree import CheckpointPolicy
+from shadowradix.tree.resume import HALF_LIFE, MAX_OFFSET, REFRESH, ResumeOffsets
+
+PS = 4
+ADAPTIVE = CheckpointPolicy(learn_resume=True)
+
+
+@pytest.fixture(scope="module")
+def conversation():
+    return load_trace(bundled_trace("conversation"), limit=1500)
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    return load_trace(bundled_trace("synthetic"), limit=600)
+
+
+# ---------------------------------------------------------------- ResumeOffsets
+def test_offsets_start_at_the_sequence_end_alone():
+    assert ResumeOffsets().offsets() == (0,)
+
+
+def test_frequent_offsets_are_chosen_and_rare_ones_are_not():
+    r = ResumeOffsets()
+    for i in range(REFRESH * 4):
+        r.observe(2 if i % 2 else (3 if i % 4 == 0 else 40 + i % 7))  # 25% far away
+    assert r.offsets() == (0, 2, 3)
+    for _ in range(REFRESH):
+        r.observe(MAX_OFFSET + 5)  # unservable: counts in the total only
+    assert r.offsets() == (0, 2, 3)
+
+
+def test_old_counts_fade_so_a_changed_workload_is_followed():
+    r = ResumeOffsets()
+    for _ in range(HALF_LIFE):
+        r.observe(1)
+    for _ in range(HALF_LIFE * 6):
+        r.observe(5)
+    assert r.offsets() == (0, 5)
+
+
+def test_a_negative_offset_is_a_caller_mistake():
+    with pytest.raises(ValueError, match="offset"):
+        ResumeOffsets().observe(-1)
+
+
+def test_adaptive_needs_tombstones():
+    with pytest.raises(ValueError, match="learn_resume"):
+        CheckpointPolicy(learn_resume=True, tombstones=False)
+
+
+# ---------------------------------------------------------------------- the tree
+def _serve(cache: PrefixCache, tokens: list[int]) -> int:
+    """Match, compute the rest, insert: one request; returns its cached tokens."""
+    m = cache.match(tokens)
+    handle = cache.lock(m)
+    done, full = m.prefix_len // PS, len(tokens) // PS
+    got = cache.alloc({p.name: full - done for p in cache.layout.pools})
+    assert got is not None
+    table = np.stack([got[p.name] for p in cache.layout.pools])
+    cache.insert(tokens, table, done)
+    cache.unlock(handle)
+    cache.check_integrity()
+    return m.prefix_len
+
+
+def test_learned_offsets_put_checkpoints_where_the_next_turn_resumes():
+    """Each turn extends the previous one's tokens but not its last two pages (as a trace
+    that hashes prompts only, or a re-rendered reply). With the end checkpoint alone a turn
+    resumes at the turn before; once learned, it resumes two pages before the end.
+    Eager release drops every page outside kept checkpoints: the pressure, made certain."""
+    lay = tiny_layout(PS)
+
+    def turns(policy: CheckpointPolicy) -> list[int]:
+        cache, hits = PrefixCache(lay, 4000, policy), []
+        for c in range(REFRESH + 40):  # conversations of 3 turns, 4 distinct pages each
+            base = [1000 + 100 * c + i for i in range(4 * PS)]
+            t1 = base + [1] * (2 * PS)
+            t2 = base + [2] * (4 * PS) + [3] * (2 * PS)
+            hits += [_serve(cache, t1), _serve(cache, t2),
+                     _serve(cache, base + [2] * (4 * PS) + [4] * PS)]
+        return hits
+
+    static = turns(CheckpointPolicy(eager_window_release=True))
+    adaptive = turns(CheckpointPolicy(eager_window_release=True, learn_resume=True))
+    assert static[-2] == 0  # the end checkpoint (6 pages) lies past the shared 4 pages
+    assert adaptive[-2] == 4 * PS and adaptive[-1] == 8 * PS
+    assert sum(adaptive) > sum(static)
+
+
+# -------------------------------------------------------------- the shared budget
+def test_shared_budget_ceilings_let_any_pool_take_the_whole_budget():
+    lay = deepseek_v4_pro(dtype="fp8")
+    pb = lay.page_bytes()
+    pages = pages_for_shared_budget(lay, 10 * GB)
+    assert pages["swa"] == 10 * GB // pb["swa"]
+    assert pages["c4"] == pages["c128"] == 10 * GB // (pb["c4"] + pb["c4_index"] + pb["c128"])
+
+
+def test_a_shared_budget_is_never_exceeded_and_the_window_share_moves(synthetic):
+    lay = deepseek_v4_flash()
+    cache = make_cache(lay, policy_choice("adaptive"), 6 * GB)
+    assert cache.budget == 6 * GB
+    shares = []
+
+    def sample(i: int) -> None:
+        assert cache.used_bytes() <= 6 * GB
+        if i % 50 == 49:
+            shares.append(cache.pools["swa"].used_pages * lay.page_bytes()["swa"]
+                          / max(cache.used_bytes(), 1))
+
+    st = replay(cache, synthetic[:300], with_output=True, chunk_pages=8, check_every=25,
+                on_request=sample)
+    assert st.requests == 300 and st.cached_tokens > 0
+    assert sum(cache.evicted.values()) > 0  # the pressure was real
+    assert max(shares) - min(shares) > 0.01  # not a fixed split
+    cache.flush()
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+def test_a_shared_budget_refuses_a_host_tier_or_tensors():
+    lay = tiny_layout(PS)
+    with pytest.raises(ValueError, match="shared budget"):
+        PrefixCache(lay, 8, host_pages=8, budget=1000)
+    with pytest.raises(ValueError, match="shared budget"):
+        PrefixCache(lay, 8, device="cpu", budget=1000)
+
+
+def test_can_alloc_counts_bytes_and_alloc_changes_nothing_when_refused():
+    lay = tiny_layout(PS)
+    pb = lay.page_bytes()
+    budget = 3 * sum(pb.values())
+    cache = PrefixCache(lay, 10, ADAPTIVE, budget=budget)
+    need = {p.name: 4 for p in lay.pools}  # fits every ceiling, not the budget
+    assert not cache.can_alloc(need) and cache.alloc(need) is None
+    assert cache.used_bytes() == 0
+    assert cache.alloc({p.name: 3 for p in lay.pools}) is not None
+    assert cache.used_bytes() == budget
+
+
+# ------------------------------------------------------------------- simulator
+@pytest.mark.parametrize("trace", ["conversation", "synthetic"])
+def test_unbounded_adaptive_hit_rate_equals_the_bound_exactly(trace, request):
+    requests = request.getfixturevalue(trace)
+    r = simulate(requests, deepseek_v4_flash(), policy_choice("adaptive"), None)
+    assert r["refused"] == 0
+    assert r["hit_rate"] == r["bound_hit_rate"] > 0.1
+
+
+def test_adaptive_is_flagless_and_records_a_shared_budget(conversation):
+    a = policy_choice("adaptive", checkpoint_every=3, window_ratio=0.7)
+    assert a == policy_choice("adaptive") and a.window_ratio is None
+    r = simulate(conversation, deepseek_v4_pro(), a, 20.0)
+    assert r["shared_budget"] and r["pool_bytes"] == 20 * GB
+    assert 0 < r["hit_rate"] <= r["bound_hit_rate"]
+    assert r["cached_tokens"] + r["computed_tokens"] == r["prompt_tokens"]
