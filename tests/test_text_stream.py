@@ -1,5 +1,6 @@
 """Incremental detokenization against the brute force: whatever the tokens and however
-they arrive, the released pieces join into the whole decode cut at the first stop string,
+they arrive, the released pieces join into the whole decode cut where a stop string first
+appears (checked after every character),
 no piece of a stop string is ever sent, and text from real UTF-8 never shows U+FFFD."""
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ def full_text(ids: list[int]) -> str:
 
 
 def expected(ids: list[int], stops: list[str]) -> tuple[str, bool]:
+    """The whole decode cut where a stop string first appears, checking after every
+    character: the occurrence that ends first (then the longest)."""
     text = full_text(ids)
-    cuts = [i for s in stops if s and (i := text.find(s)) >= 0]
-    return (text[:min(cuts)], True) if cuts else (text, False)
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if s and text[:end].endswith(s)]
+        if done:
+            return text[:end - len(max(done, key=len))], True
+    return text, False
 
 
 def run(ids: list[int], sizes: list[int], stops: list[str]) -> tuple[list[str], TextStream]:
@@ -55,6 +61,8 @@ def token_ids(draw: st.DrawFn) -> list[int]:
 @settings(max_examples=300, deadline=None)
 @given(ids=token_ids(), sizes=st.lists(st.integers(1, 4), max_size=40), data=st.data())
 def test_pieces_join_into_the_whole_decode_cut_at_the_first_stop(ids, sizes, data):
+    """(Found by this test: stop strings 'a' and '.界aa' over '..界aa': the text must end
+    at 'a', which completes first, not at '.界aa', which starts first.)"""
     text = full_text(ids)
     stops = data.draw(st.lists(st.one_of(
         st.text(LETTERS, min_size=1, max_size=3),
@@ -88,3 +96,10 @@ def test_special_tokens_follow_skip_special_tokens(skip):
     text = stream.add(ids) + stream.finish()
     assert text == TOK.decode(ids, skip_special_tokens=skip)
     assert ("<｜" in text) is not skip
+
+
+def test_overlapping_stops_end_at_the_first_to_complete():
+    ids = TOK.encode("..界aa")
+    for sizes in ([1] * len(ids), [len(ids)], [2, 1, 5]):
+        pieces, stream = run(ids, sizes, ["a", ".界aa"])
+        assert "".join(pieces) == "..界" and stream.stopped == "a"

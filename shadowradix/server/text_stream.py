@@ -6,7 +6,10 @@ short window of recent tokens that does not end in U+FFFD (an incomplete charact
 Stop strings are searched in the text as it grows, and the last `len(longest stop) - 1`
 characters are held back so that no part of a stop string is ever sent. Whatever is
 released is a prefix of the whole decode (cut at the first stop string); `finish`
-releases the rest, so the streamed pieces always join into the non-streamed text.
+releases the rest, so the streamed pieces always join into the non-streamed text. Where
+stop strings overlap, the text ends at the first to complete as it grows character by
+character (as if checked after every character), so where tokens split the text makes
+no difference.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stop and self.stopped is None:
             # None starts before `sent`: the hold kept back any that could, until whole.
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, self.sent)) >= 0]
-            if hits:
-                cut, self.stopped = min(hits)
+            hits = [(i + len(s), i, s) for s in self.stop
+                    if (i := self.text.find(s, self.sent)) >= 0]
+            if hits:  # the first to complete as the text grows (then the longest)
+                _, cut, self.stopped = min(hits)
                 self.text = self.text[:cut]
                 final = True
         end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
