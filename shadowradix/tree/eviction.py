@@ -159,8 +159,6 @@ class Eviction:
         if not node.children and node.full_lock == 0:
             self._drop_dead_leaf(node, freed)
 
-
-
     def prune(self, node: Node) -> EvictResult | None:
         """Remove `node` and unlocked ancestors while each is a leaf no tier can resume
         from (a running request's prefix, inserted without its live window, once the
