@@ -21,6 +21,28 @@ def redis_server(tmp_path):  # type: ignore[no-untyped-def]
     server.resume()
     server.stop()
 
+
+@pytest.fixture(scope="module")
+def valkey_cluster_module(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A real 3-master Valkey Cluster on 127.0.0.1, shared by one module's tests (it
+    takes seconds to form) and stopped after them, however they ended."""
+    from valkey_cluster import ValkeyCluster
+
+    cluster = ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def valkey_cluster(valkey_cluster_module):  # type: ignore[no-untyped-def]
+    """The module's cluster with every node up; a test that kills, pauses or restarts a
+    node leaves it up again for the next."""
+    valkey_cluster_module.revive()
+    yield valkey_cluster_module
+    valkey_cluster_module.revive()
+
 STEPS: dict[str, int] = {}
 LOGIT_DIFFS: list[float] = []  # every differential check against transformers
 

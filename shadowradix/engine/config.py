@@ -8,6 +8,7 @@ from numbers import Real
 from typing import Any
 
 from shadowradix.tiers.host_tier import WRITE_POLICIES
+from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
 
 MIN_TEMPERATURE = 1e-5  # logits / temperature stays finite in float32 for any real logits
 SEED_LIMIT = 2 ** 63
@@ -34,8 +35,9 @@ class CacheConfig:
         page the cache adopts), "write_through_selective" (a prefix once matches
         reached it `write_hit_threshold` times) or "write_back" (only when the
         device evicts it).
-    storage: L3, "file:///dir" or "redis://host:port/db": computed pages are written
-        through, and a request that misses the device loads what it can from there.
+    storage: L3, "file:///dir", "redis://host:port/db" or "redis-cluster://host:port,..."
+        (seed nodes of a Redis/Valkey Cluster): computed pages are written through, and
+        a request that misses the device loads what it can from there.
     storage_cap_bytes: for file://, the directory's size cap (least recently used
         objects go first); None: no cap. Redis caps itself (maxmemory).
     hisparse_buffer: HiSparse (not built yet: None).
@@ -82,11 +84,15 @@ class CacheConfig:
                              f"got {self.write_hit_threshold!r}")
         if self.storage is not None and (not isinstance(self.storage, str) or not
                                          self.storage.startswith(("file://", "redis://",
-                                                                  "rediss://"))):
+                                                                  "rediss://",
+                                                                  "redis-cluster://"))):
             hint = (f"; for a directory use storage=f'file://{self.storage}'"
                     if hasattr(self.storage, "__fspath__") else "")  # a pathlib.Path
-            raise ValueError(f"storage must be None or a URL string, 'file:///DIR' or "
-                             f"'redis://HOST:PORT/DB', got {self.storage!r}{hint}")
+            raise ValueError(f"storage must be None or a URL string, 'file:///DIR', "
+                             f"'redis://HOST:PORT/DB' or 'redis-cluster://HOST:PORT,HOST:PORT'"
+                             f", got {self.storage!r}{hint}")
+        if isinstance(self.storage, str) and self.storage.startswith("redis-cluster://"):
+            parse_cluster_url(self.storage)  # a malformed seed list fails here, not at open
         if self.storage_cap_bytes is not None and (
                 not isinstance(self.storage_cap_bytes, int)
                 or isinstance(self.storage_cap_bytes, bool) or self.storage_cap_bytes < 1

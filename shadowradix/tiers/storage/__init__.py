@@ -5,17 +5,20 @@ from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode, enc
 from shadowradix.tiers.storage.file import FileBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
 from shadowradix.tiers.storage.redis import RedisBackend
+from shadowradix.tiers.storage.redis_cluster import RedisClusterBackend
 
-__all__ = ["CorruptObject", "FileBackend", "RedisBackend", "StorageBackend",
+__all__ = ["CorruptObject", "FileBackend", "RedisBackend", "RedisClusterBackend", "StorageBackend",
            "StorageUnavailable", "WrongKey", "decode", "encode", "namespace", "object_key",
            "open_storage", "page_hashes"]
 
 
 def open_storage(url: str, cap_bytes: int | None = None) -> StorageBackend:
-    """A backend from a URL: `file:///dir` or `redis://[:password@]host:port/db` (Redis or
-    Valkey). Raises ValueError for a URL it cannot use: another scheme, a file:// path
-    that is an existing regular file, a server that refuses the password. A server that
-    does not answer yet is only logged and counted (it may come up later)."""
+    """A backend from a URL: `file:///dir`, `redis://[:password@]host:port/db` (Redis or
+    Valkey) or `redis-cluster://[:password@]host:port[,host:port...]` (seed nodes of a
+    Redis or Valkey Cluster). Raises ValueError for a URL it cannot use: another scheme,
+    a malformed one, a file:// path that is an existing regular file, a server that
+    refuses the password, a cluster seed not in cluster mode. A store that does not
+    answer yet is only logged and counted (it may come up later)."""
     if not isinstance(url, str):
         raise ValueError(f"storage URL must be a str such as 'file:///var/cache/kv' or "
                          f"'redis://HOST:PORT/DB', got {type(url).__name__} {url!r}")
@@ -24,9 +27,12 @@ def open_storage(url: str, cap_bytes: int | None = None) -> StorageBackend:
         if not path:
             raise ValueError(f"{url!r}: file:// needs a directory, e.g. file:///var/cache/kv")
         return FileBackend(path, cap_bytes)
-    if url.startswith(("redis://", "rediss://")):
+    if url.startswith(("redis://", "rediss://", "redis-cluster://")):
         if cap_bytes is not None:
             raise ValueError("cap_bytes applies to file:// storage only; cap Redis with "
                              "its maxmemory setting")
+        if url.startswith("redis-cluster://"):
+            return RedisClusterBackend(url)
         return RedisBackend(url)
-    raise ValueError(f"unsupported storage URL {url!r}; use file:///DIR or redis://HOST:PORT/DB")
+    raise ValueError(f"unsupported storage URL {url!r}; use file:///DIR, redis://HOST:PORT/DB "
+                     f"or redis-cluster://HOST:PORT[,HOST:PORT...]")

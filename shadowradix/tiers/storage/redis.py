@@ -9,16 +9,21 @@ call: after a timeout every call answers at once (misses, failed writes, counted
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
-from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode, encode
-
-log = logging.getLogger("shadowradix.storage")
-T = TypeVar("T")
+from shadowradix.tiers.storage.codec import encode
+from shadowradix.tiers.storage.redis_common import (
+    Guard,
+    client_options,
+    log,
+    redact,
+    store_errors,
+    unreachable_errors,
+    verified,
+)
 
 
 class RedisBackend(StorageBackend):
@@ -29,18 +34,12 @@ class RedisBackend(StorageBackend):
                  backoff_s: float = 5.0) -> None:
         super().__init__()
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
-        self._unreachable: tuple[type[BaseException], ...] = (
-            redis.ConnectionError, redis.TimeoutError, OSError)
-        self._errors_types: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._errors_types = store_errors()
         self.ttl_s = ttl_s
         self.breaker = CircuitBreaker(backoff_s)
-        # No retries inside redis-py: one bounded wait per call, then the breaker decides.
-        self._client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                                 socket_connect_timeout=timeout_s,
-                                                 retry=Retry(NoBackoff(), 0))
+        self._guarded = Guard(self.errors, self.breaker)
+        self._client: Any = redis.Redis.from_url(url, **client_options(timeout_s))
         self._ping(url, redis)
 
     def _ping(self, url: str, redis: Any) -> None:
@@ -48,41 +47,20 @@ class RedisBackend(StorageBackend):
             self._client.ping()
         except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
             self._client.close()
-            raise ValueError(f"the server at {_redact(url)} refused the credentials ({e}); "
+            raise ValueError(f"the server at {redact(url)} refused the credentials ({e}); "
                              f"put the right password in the URL: "
                              f"redis://:PASSWORD@HOST:PORT/DB") from None
         except redis.ResponseError as e:
             if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
                 self._client.close()
-                raise ValueError(f"the server at {_redact(url)} needs a password ({e}); use "
+                raise ValueError(f"the server at {redact(url)} needs a password ({e}); use "
                                  f"redis://:PASSWORD@HOST:PORT/DB") from None
             raise
-        except self._unreachable as e:
+        except unreachable_errors() as e:
             self.errors["unreachable"] += 1
             self.breaker.failed()
             log.warning("storage %s unreachable at open (%s); reads miss and writes fail "
-                        "until it answers", _redact(url), e)
-
-    def _guarded(self, call: Callable[[], T], miss: T) -> T:
-        """`call()`, or `miss` at once while the breaker is open or when the call fails."""
-        if not self.breaker.allow():
-            self.errors["skipped"] += 1
-            return miss
-        try:
-            out = call()
-        except self._unreachable as e:
-            self.errors["unreachable"] += 1
-            self.breaker.failed()
-            log.warning("storage unreachable (%s); skipping it for %.1f s", e,
-                        self.breaker.wait_s)
-            return miss
-        except self._errors_types as e:  # the server answered with an error (e.g. OOM)
-            self.errors["server"] += 1
-            log.warning("storage error: %s", e)
-            self.breaker.succeeded()
-            return miss
-        self.breaker.succeeded()
-        return out
+                        "until it answers", redact(url), e)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -100,17 +78,8 @@ class RedisBackend(StorageBackend):
             return []
         blobs: list[Any] = self._guarded(lambda: self._client.mget(list(keys)),
                                          [None] * len(keys))
-        return [None if blob is None else self._decode(k, blob)
+        return [None if blob is None else verified(self.errors, k, blob)
                 for k, blob in zip(keys, blobs, strict=True)]
-
-    def _decode(self, key: str, blob: bytes) -> bytes | None:
-        try:
-            return decode(key, blob)
-        except WrongKey:
-            self.errors["wrong_key"] += 1
-        except CorruptObject:
-            self.errors["corrupt"] += 1
-        return None
 
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         if not items:
@@ -148,11 +117,3 @@ class RedisBackend(StorageBackend):
     def close(self) -> None:
         with contextlib.suppress(*self._errors_types):
             self._client.close()
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

@@ -1,0 +1,366 @@
+"""`redis-cluster://[:password@]host:port[,host:port...]`: Redis Cluster or Valkey Cluster.
+
+The seed nodes only bootstrap: redis-py's RedisCluster reads the slot map from the first
+that answers, and this backend sends each batch straight to the masters that own its
+keys, one pipeline per master, all masters at once:
+
+    keys --slot--> {master: {slot: [keys]}} --> one pipeline per master, in parallel
+                   reads: one MGET per slot; probes and writes: EXISTS / SET per key
+
+So no command ever names keys of two slots (the server would refuse it, CROSSSLOT), and
+a batch costs one round trip however many slots it touches.
+
+Hash tags. An object's cluster key is `ns/pool/{page-hash}`: the page hash is the tag,
+so every pool's object of one page lands in one slot, on one master. A page is useful
+only with all its pools' objects, and with them together a dead master takes away the
+pages it owns (a third of them, of three masters) instead of nearly every page (a page
+of five pools spread over three masters keeps all five with probability (2/3)^5 = 13%).
+Load still spreads: page hashes are uniform, so pages spread over all slots. The object
+itself still carries the plain key (`ns/pool/hash`) in its header, which is what a read
+checks: a blob copied to another key's place is a miss, as with every backend.
+
+Faults. Every call is bounded by the socket timeout (no retries inside redis-py) and each
+master has its own circuit breaker (see breaker.py): a master that is down, stalled or
+failing over costs one bounded wait, then its keys miss at once ("skipped") while the
+other masters keep serving theirs. A refusal (MOVED, ASK, CLUSTERDOWN, TRYAGAIN) is a
+miss too, counted; after a refusal or an unreachable master the slot map is re-read
+(at most once per `refresh_s`, trying the failed master last), so a failover or a
+resharding is followed within a call or two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import unquote
+
+from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
+from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.codec import encode
+from shadowradix.tiers.storage.redis_common import (
+    Guard,
+    client_options,
+    log,
+    redact,
+    refused_credentials,
+    store_errors,
+    verified,
+)
+
+SCHEME = "redis-cluster://"
+T = TypeVar("T")
+# node name -> (the node, slot -> indices into the batch of the keys in that slot)
+Routes = dict[str, tuple[Any, dict[int, list[int]]]]
+# queues one slot's commands on a pipeline; returns, per command, the indices it answers
+Queue = Callable[[Any, list[int]], list[list[int]]]
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """(seed nodes as (host, port), username, password) of a redis-cluster:// URL.
+    Does not connect. ValueError naming what is wrong for a malformed URL."""
+    usage = "use redis-cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]"
+    if not isinstance(url, str) or not url.startswith(SCHEME):
+        raise ValueError(f"{url!r} is not a redis-cluster:// URL; {usage}")
+    auth, _, hosts = url.removeprefix(SCHEME).rpartition("@")
+    hosts, _, db = hosts.partition("/")
+    if db not in ("", "0"):
+        raise ValueError(f"{redact(url)}: a cluster has only database 0, got /{db}; {usage}")
+    seeds: list[tuple[str, int]] = []
+    for part in hosts.split(","):
+        host, _, port = part.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [::1]:7000
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{redact(url)}: seed node {part.strip()!r} is not HOST:PORT; "
+                             f"{usage}")
+        seeds.append((host, int(port)))
+    username, password = None, None
+    if auth:
+        user, colon, pw = auth.partition(":")
+        username, password = (unquote(user) or None, unquote(pw)) if colon else (None,
+                                                                               unquote(user))
+    return seeds, username, password
+
+
+def cluster_key(key: str) -> str:
+    """Where `key` (ns/pool/hash) lives in the cluster: the page hash is the hash tag, so
+    the pools of one page share a slot (see the module docstring)."""
+    head, _, tail = key.rpartition("/")
+    return f"{head}/{{{tail}}}" if head else f"{{{tail}}}"
+
+
+def slot_of(stored_key: str | bytes) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(stored_key.encode() if isinstance(stored_key, str) else stored_key))
+
+
+class RedisClusterBackend(StorageBackend):
+    """Raises ValueError at construction for a malformed URL, credentials the cluster
+    refuses, or a seed that is not in cluster mode; an unreachable cluster is only
+    logged and counted (it may come up later)."""
+
+    def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
+                 backoff_s: float = 5.0, refresh_s: float = 1.0) -> None:
+        super().__init__()
+        seeds, username, password = parse_cluster_url(url)
+        self.url = redact(url)
+        self.ttl_s = ttl_s
+        self.backoff_s = backoff_s
+        self.refresh_s = refresh_s
+        self._seeds = seeds
+        self._options = {"username": username, "password": password,
+                         "require_full_coverage": False, **client_options(timeout_s)}
+        self._faults = store_errors()
+        self._guards: dict[str, Guard] = {}  # node name -> its breaker and counting
+        self._cluster: Any = None  # redis.cluster.RedisCluster once a seed has answered
+        self._topology = CircuitBreaker(backoff_s)  # for (re)connecting when there is none
+        self._stale: str | None = None  # a node that failed or refused: re-read the map
+        self._refreshed_at = time.monotonic()
+        self._pool: ThreadPoolExecutor | None = None
+        self._connect(at_open=True)
+
+    # ------------------------------------------------------------ topology
+    def _connect(self, at_open: bool = False) -> bool:
+        """Build the client from the seeds (reads the slot map). Raises ValueError only
+        at open and only for a caller's mistake; otherwise counts and backs off."""
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.exceptions import RedisClusterException
+
+        caught: tuple[type[BaseException], ...] = (RedisClusterException, *self._faults)
+        try:
+            self._cluster = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in self._seeds], **self._options)
+        except caught as e:
+            if at_open and refused_credentials(e):
+                raise ValueError(f"the cluster at {self.url} refused the credentials ({e}); "
+                                 f"put the right password in the URL: "
+                                 f"redis-cluster://:PASSWORD@HOST:PORT,...") from None
+            if at_open and "Cluster mode is not enabled" in str(e):
+                raise ValueError(f"{self.url}: the seed is not in cluster mode; for a single "
+                                 f"server use redis://HOST:PORT/DB") from None
+            self.errors["unreachable"] += 1
+            self._topology.failed()
+            log.warning("storage %s unreachable%s (%s); reads miss and writes fail until "
+                        "it answers", self.url, " at open" if at_open else "", e)
+            return False
+        self._topology.succeeded()
+        self._refreshed_at = time.monotonic()
+        return True
+
+    def _ready(self) -> Any:
+        """The client with a current slot map, or None (counted "skipped") when no seed
+        answered lately. Re-reads the map after a fault, at most once per refresh_s."""
+        if self._cluster is None:
+            if not self._topology.allow() or not self._connect():
+                self.errors["skipped"] += 1
+                return None
+        elif self._stale is not None and time.monotonic() - self._refreshed_at >= self.refresh_s:
+            self._refreshed_at = time.monotonic()
+            failed, self._stale = self._stale, None
+            try:
+                self._cluster.nodes_manager.initialize(last_failed_node_name=failed or None)
+            except Exception as e:  # whatever it was: keep the old map, try again later
+                self.errors["topology"] += 1
+                self._stale = failed
+                log.warning("storage %s: could not re-read the slot map (%s)", self.url, e)
+        return self._cluster
+
+    def _guard(self, name: str) -> Guard:
+        if name not in self._guards:
+            self._guards[name] = Guard(self.errors, CircuitBreaker(self.backoff_s), name)
+        return self._guards[name]
+
+    def _route(self, cluster: Any, stored: Sequence[str]) -> Routes:
+        """Group the keys by master and, within one, by slot. A slot no master owns is
+        left out (a miss), counted "uncovered"."""
+        routes: Routes = {}
+        cache = cluster.nodes_manager.slots_cache
+        uncovered = False
+        for i, key in enumerate(stored):
+            slot = slot_of(key)
+            owners = cache.get(slot)
+            if not owners:
+                uncovered = True
+                continue
+            node = owners[0]
+            routes.setdefault(node.name, (node, defaultdict(list)))[1][slot].append(i)
+        if uncovered:
+            self.errors["uncovered"] += 1
+            self._mark_stale()
+        return routes
+
+    # ------------------------------------------------------------ batches
+    def _run(self, keys: Sequence[str], queue: Queue, parse: Callable[[list[int], Any], None],
+             ) -> None:
+        """For each master owning some of `keys`, one pipeline: `queue(pipe, indices)` per
+        slot queues commands and returns, per command, the indices its reply answers;
+        then `parse(indices, reply)` per reply. Masters run in parallel; a master's fault
+        leaves its keys untouched (misses) and is counted once; a refused command (MOVED,
+        CLUSTERDOWN, ...) leaves its own keys untouched and is counted."""
+        cluster = self._ready()
+        if cluster is None:
+            return
+        routes = self._route(cluster, [cluster_key(k) for k in keys])
+
+        def pipeline(node: Any, slots: dict[int, list[int]]) -> list[tuple[list[int], Any]]:
+            pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
+            answers = [idx for indices in slots.values() for idx in queue(pipe, indices)]
+            return list(zip(answers, pipe.execute(raise_on_error=False), strict=True))
+
+        pending: dict[str, Future[list[tuple[list[int], Any]]] | None] = {}
+        for name, (node, slots) in routes.items():
+            if not self._guard(name).breaker.allow():
+                pending[name] = None  # its breaker is open: a miss at once
+            else:  # one master: no thread hop
+                pending[name] = (_now(pipeline, node, slots) if len(routes) == 1
+                                 else self._workers().submit(pipeline, node, slots))
+        for name, fut in pending.items():
+            if fut is None:
+                self.errors["skipped"] += 1
+                continue
+            guard = self._guard(name)
+            replies = guard(fut.result, None)
+            if replies is None:
+                if guard.breaker.is_open:
+                    self._stale = name  # down or failing over: re-read who owns its slots
+                continue
+            self._parse(replies, parse)
+
+    def _parse(self, replies: list[tuple[list[int], Any]],
+               parse: Callable[[list[int], Any], None]) -> None:
+        import redis
+
+        for indices, reply in replies:
+            if isinstance(reply, redis.exceptions.AskError | redis.exceptions.TryAgainError):
+                self.errors["moved"] += 1  # MOVED (a subclass of ASK) or a migration
+                self._mark_stale()
+            elif isinstance(reply, redis.exceptions.ClusterDownError):
+                self.errors["cluster_down"] += 1
+                self._mark_stale()
+            elif isinstance(reply, Exception):
+                self.errors["server"] += 1
+                log.warning("storage error: %s", reply)
+            else:
+                parse(indices, reply)
+
+    def _mark_stale(self) -> None:
+        if self._stale is None:
+            self._stale = ""
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="shadowradix-cluster")
+        return self._pool
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        out = [False] * len(keys)
+
+        def queue(pipe: Any, indices: list[int]) -> list[list[int]]:
+            for i in indices:
+                pipe.exists(cluster_key(keys[i]))  # EXISTS of many keys only counts them
+            return [[i] for i in indices]
+
+        def parse(indices: list[int], reply: Any) -> None:
+            out[indices[0]] = bool(reply)
+        if keys:
+            self._run(keys, queue, parse)
+        return out
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        blobs: list[Any] = [None] * len(keys)
+
+        def queue(pipe: Any, indices: list[int]) -> list[list[int]]:
+            pipe.mget([cluster_key(keys[i]) for i in indices])  # one slot: never CROSSSLOT
+            return [indices]
+
+        def parse(indices: list[int], reply: Any) -> None:
+            for i, blob in zip(indices, reply, strict=True):
+                blobs[i] = blob
+        if keys:
+            self._run(keys, queue, parse)
+        return [None if blob is None else verified(self.errors, k, blob)
+                for k, blob in zip(keys, blobs, strict=True)]
+
+    def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """SET replaces a key atomically, so engines writing the same page at once leave
+        one whole object (either is that prefix's KV): concurrent writes are safe."""
+        out = [False] * len(items)
+
+        def queue(pipe: Any, indices: list[int]) -> list[list[int]]:
+            for i in indices:
+                key, payload = items[i]
+                pipe.set(cluster_key(key), encode(key, payload), ex=self.ttl_s)
+            return [[i] for i in indices]
+
+        def parse(indices: list[int], reply: Any) -> None:
+            out[indices[0]] = bool(reply)
+        if items:
+            self._run([k for k, _ in items], queue, parse)
+        return out
+
+    # ------------------------------------------------------------ clear
+    def clear(self, namespace: str) -> int:
+        """SCAN every master for the namespace's keys and delete them, one DEL per slot.
+        Tries even where a breaker is open (an explicit request deserves a real answer);
+        raises StorageUnavailable, after trying every master, if one did not answer."""
+        if self._cluster is None and not self._connect():
+            raise StorageUnavailable(f"the cluster at {self.url} did not answer; nothing of "
+                                     f"{namespace} deleted")
+        self._mark_stale()  # scan the masters of now, not of the last map
+        self._refreshed_at = float("-inf")
+        cluster = self._ready()
+        gone, failed = 0, []
+        for node in cluster.get_primaries():
+            client = cluster.get_redis_connection(node)
+            try:
+                batch: list[bytes] = []
+                for key in client.scan_iter(match=f"{namespace}/*", count=1000):
+                    batch.append(key)
+                    if len(batch) >= 1000:
+                        gone += _delete(client, batch)
+                        batch = []
+                if batch:
+                    gone += _delete(client, batch)
+            except self._faults as e:
+                self.errors["unreachable"] += 1
+                self._guard(node.name).breaker.failed()
+                failed.append(f"{node.name} ({e})")
+                continue
+            self._guard(node.name).breaker.succeeded()
+        if failed:
+            raise StorageUnavailable(f"masters {', '.join(failed)} did not answer; {gone} "
+                                     f"objects of {namespace} deleted, others may remain")
+        return gone
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._cluster is not None:
+            with contextlib.suppress(*self._faults):
+                self._cluster.close()
+
+
+def _now(call: Callable[..., T], *args: Any) -> Future[T]:
+    """`call(*args)` run here, as a finished Future (its exception kept for the guard)."""
+    done: Future[T] = Future()
+    try:
+        done.set_result(call(*args))
+    except Exception as e:  # re-raised by result(), inside the guard
+        done.set_exception(e)
+    return done
+
+
+def _delete(client: Any, keys: list[bytes]) -> int:
+    """Delete `keys` (all on this node) with one DEL per slot, in one pipeline."""
+    by_slot: dict[int, list[bytes]] = defaultdict(list)
+    for k in keys:
+        by_slot[slot_of(k)].append(k)
+    pipe = client.pipeline(transaction=False)
+    for group in by_slot.values():
+        pipe.delete(*group)
+    return sum(int(n) for n in pipe.execute())

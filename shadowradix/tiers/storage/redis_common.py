@@ -1,0 +1,113 @@
+"""What the Redis-protocol backends share: the client options that bound every call, the
+breaker-guarded call that turns a fault into a counted miss, the verified read, and
+the messages for refused credentials.
+
+`redis://` guards its one server with one breaker; `redis-cluster://` guards each node
+with its own, so a dead master costs misses on its slots only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode
+
+log = logging.getLogger("shadowradix.storage")
+T = TypeVar("T")
+
+
+def client_options(timeout_s: float) -> dict[str, Any]:
+    """redis-py options for one bounded wait per call: socket timeouts and no retries
+    inside the client (the breaker decides when to try again)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 0)}
+
+
+def unreachable_errors() -> tuple[type[BaseException], ...]:
+    """The store did not answer (down, refused, timed out): worth backing off from."""
+    import redis
+
+    return (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """Every fault of the store, including answers that are errors (OOM, CLUSTERDOWN)."""
+    import redis
+
+    return (redis.RedisError, OSError)
+
+
+class Guard:
+    """One endpoint's breaker and the fault counting of every call to it.
+
+    `errors` is the backend's counter (shared by all its guards); `where` names the
+    endpoint in logs ("" for a single server)."""
+
+    def __init__(self, errors: Counter[str], breaker: CircuitBreaker, where: str = "") -> None:
+        self.errors = errors
+        self.breaker = breaker
+        self.where = where
+        self._unreachable = unreachable_errors()
+        self._faults = store_errors()
+
+    def __call__(self, call: Callable[[], T], miss: T) -> T:
+        """`call()`, or `miss` at once while the breaker is open or when the call fails
+        (counted: "skipped", "unreachable" or "server"). Never raises a store fault."""
+        if not self.breaker.allow():
+            self.errors["skipped"] += 1
+            return miss
+        try:
+            out = call()
+        except self._unreachable as e:
+            self.errors["unreachable"] += 1
+            self.breaker.failed()
+            log.warning("storage %sunreachable (%s); skipping it for %.1f s",
+                        f"node {self.where} " if self.where else "", e, self.breaker.wait_s)
+            return miss
+        except self._faults as e:  # the server answered with an error (e.g. OOM)
+            self.errors["server"] += 1
+            log.warning("storage error%s: %s", f" on {self.where}" if self.where else "", e)
+            self.breaker.succeeded()
+            return miss
+        self.breaker.succeeded()
+        return out
+
+
+def verified(errors: Counter[str], key: str, blob: bytes) -> bytes | None:
+    """`blob`'s payload if it is an intact object of `key`; else None, counted as
+    "wrong_key" (an intact object of another key) or "corrupt"."""
+    try:
+        return decode(key, blob)
+    except WrongKey:
+        errors["wrong_key"] += 1
+    except CorruptObject:
+        errors["corrupt"] += 1
+    return None
+
+
+def refused_credentials(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is the server refusing our credentials."""
+    import redis
+
+    while e is not None:
+        if isinstance(e, redis.AuthenticationError | redis.exceptions.AuthorizationError):
+            return True
+        if isinstance(e, redis.ResponseError) and ("NOAUTH" in str(e) or "WRONGPASS" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
