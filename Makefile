@@ -4,7 +4,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-2
+STAMP := $(VENV)/.installed-3
 
 .PHONY: install demo test bench test-long clean
 

@@ -1,5 +1,5 @@
 """Command line: `shadowradix demo`, `shadowradix simulate TRACE ...`, `shadowradix serve`,
-`shadowradix trace synth|from-chats`."""
+`shadowradix fleet`, `shadowradix trace synth|from-chats`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shadowradix.server.serve import add_arguments
 
     add_arguments(srv)
+    fleet = sub.add_parser("fleet", help="N servers on this machine behind SGLang's router "
+                           "(cache-aware), sharing L3 through --storage",
+                           description="Start --instances servers (every serve flag below "
+                           "goes to each; they take free ports) and sglang-router in front of "
+                           "them on --host:--port; SIGTERM or Ctrl-C stops them all.")
+    from shadowradix.server.fleet import add_arguments as add_fleet_arguments
+
+    add_fleet_arguments(fleet)
     args = ap.parse_args(argv)
     try:
         if args.command == "demo":
@@ -78,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shadowradix.server.serve import serve
 
             return serve(args)
+        if args.command == "fleet":
+            from shadowradix.server.fleet import run_fleet
+
+            return run_fleet(args)
         if args.command == "trace":
             return _synth(args) if args.trace_command == "synth" else _from_chats(args)
         return _simulate(args)

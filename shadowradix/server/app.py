@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shadowradix.server import native_api, openai_api
+from shadowradix.server import info_api, native_api, openai_api
 from shadowradix.server.metrics import CONTENT_TYPE
 from shadowradix.server.protocol import ApiError
 from shadowradix.server.runtime import Runtime
@@ -131,5 +131,7 @@ def build_app(runtime: Runtime, on_loaded: Callable[[], None] | None = None) -> 
                           ("/tokenize", native_api.tokenize),
                           ("/detokenize", native_api.detokenize)):
         app.add_api_route(path, loaded(handler), methods=["POST"])
+    for path, get in info_api.ROUTES:  # what SGLang's router asks a worker
+        app.add_api_route(path, loaded(get), methods=["GET"])
     app.add_middleware(Gate, api_key=runtime.api_key)
     return app

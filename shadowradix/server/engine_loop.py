@@ -47,6 +47,16 @@ class _Live:
     prompt_len: int
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the engine had in hand at its last step, for `/get_load` and a router: read
+    from any thread without touching the engine (the loop swaps in a new snapshot)."""
+
+    running: int = 0
+    waiting: int = 0
+    tokens: int = 0  # prompt tokens of the requests in flight
+
+
 class EngineLoop:
     """Owns the engine. `build` makes it (on this thread, so /health can answer while the
     model loads); `max_queue` caps the requests waiting for admission (None: no cap)."""
@@ -61,6 +71,7 @@ class EngineLoop:
         self.ready = threading.Event()  # set once the engine is built (or failed to be)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self.load = Load()  # replaced whole, never mutated: safe to read from any thread
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="shadowradix-engine",
                                         daemon=True)
@@ -115,11 +126,11 @@ class EngineLoop:
             return
         self.ready.set()
         engine = self.engine
-        self.metrics.engine_status(engine.status())
+        self._publish(engine)
         while not self._stopping:
             # Sleep on the queue when idle; between steps, only take what is there.
             if self._run_commands(block=not engine.has_unfinished()):
-                self.metrics.engine_status(engine.status())  # e.g. an abort freed pages
+                self._publish(engine)  # e.g. an abort freed pages
             if self._stopping or not engine.has_unfinished():
                 continue
             try:
@@ -132,8 +143,15 @@ class EngineLoop:
                 self._dispatch(outputs)
             else:
                 time.sleep(0.001)  # e.g. storage reads in flight: do not spin
-            self.metrics.engine_status(engine.status())
+            self._publish(engine)
         self._shutdown()
+
+    def _publish(self, engine: Engine) -> None:
+        """The metrics' gauges and the load snapshot, from one `Engine.status()`."""
+        status = engine.status()
+        self.metrics.engine_status(status)
+        self.load = Load(status["running"], status["waiting"],
+                         sum(live.prompt_len for live in self._live.values()))
 
     def _run_commands(self, block: bool) -> int:
         """Run the queued commands (waiting for one if `block`); returns how many ran."""

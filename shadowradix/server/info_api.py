@@ -1,0 +1,100 @@
+"""What SGLang's router (`sglang-router`, the Rust "model gateway") asks a worker, in
+SGLang's response shapes, so shadowradix servers can stand behind it unchanged.
+
+Observed with sglang-router 0.3.2 against a live server: when a worker is added the
+router probes `GET /health` (no API key), then `GET /server_info` and `GET /model_info`
+(falling back to the deprecated `/get_server_info` and `/get_model_info`, which older
+SGLang workers serve); `GET /get_load` feeds its `/get_loads` (it sums `num_tokens` over
+the list) and the power-of-two policy. It sends `Authorization: Bearer KEY` to all but
+`/health` when started with `--api-key KEY`, so these routes sit behind the same key as
+the rest. It takes the worker's model id from `served_model_name` and tries to load a
+tokenizer from `tokenizer_path` or `model_path` (a warning if it cannot: HTTP routing,
+cache-aware included, works on the request text and does not need one).
+
+The settings come from the engine once, between steps (they never change); the load is
+the engine loop's last published snapshot, so none of this waits for a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from shadowradix import __version__
+from shadowradix.server.runtime import Runtime
+
+
+async def model_info(request: Request) -> JSONResponse:
+    """SGLang's `/model_info`: where the model and its tokenizer come from."""
+    return JSONResponse(_model_info(request.app.state.runtime, await _settings(request)))
+
+
+async def server_info(request: Request) -> JSONResponse:
+    """SGLang's `/server_info`: the server's settings (SGLang's names where one means
+    the same), never the API key, and the storage URL without its credentials."""
+    rt: Runtime = request.app.state.runtime
+    engine = await _settings(request)
+    return JSONResponse({**_model_info(rt, engine), **engine,
+                         "served_model_name": rt.model_name, "context_length": rt.max_len,
+                         "max_queued_requests": rt.loop.max_queue, "tp_size": 1, "dp_size": 1,
+                         "disaggregation_mode": "null", "version": __version__})
+
+
+async def get_load(request: Request) -> JSONResponse:
+    """SGLang's `/get_load`: one entry per data-parallel rank (here always one)."""
+    load = request.app.state.runtime.loop.load
+    return JSONResponse([{"dp_rank": 0, "num_reqs": load.running + load.waiting,
+                          "num_waiting_reqs": load.waiting, "num_tokens": load.tokens}])
+
+
+# Both names: the router asks for the first and falls back to the second.
+ROUTES = (("/model_info", model_info), ("/get_model_info", model_info),
+          ("/server_info", server_info), ("/get_server_info", server_info),
+          ("/get_load", get_load))
+
+
+def _model_info(rt: Runtime, engine: dict[str, Any]) -> dict[str, Any]:
+    # A tokenizer path only where there is one on disk: "tiny" is no Hugging Face repo.
+    local = rt.root != "tiny" and Path(rt.root).is_dir()
+    return {"model_path": rt.root, "tokenizer_path": rt.root if local else None,
+            "is_generation": True, "model_type": engine["model_type"],
+            "architectures": engine["architectures"], "has_image_understanding": False,
+            "has_audio_understanding": False}
+
+
+async def _settings(request: Request) -> dict[str, Any]:
+    """The engine's fixed settings, read once on the engine thread and kept on the app."""
+    state = request.app.state
+    if getattr(state, "engine_settings", None) is None:
+        settings: dict[str, Any] = await asyncio.wrap_future(
+            state.runtime.loop.call(_engine_settings))
+        state.engine_settings = settings
+    return dict(state.engine_settings)
+
+
+def _engine_settings(engine: Any) -> dict[str, Any]:
+    """On the engine thread: the cache configuration and the model's identity."""
+    c, hf = engine.config, engine.runner.config
+    return {"model_type": getattr(hf, "model_type", None),
+            "architectures": getattr(hf, "architectures", None),
+            "page_size": c.page_size, "max_total_num_tokens": c.device_tokens,
+            "window_tokens": c.window_tokens, "host_tokens": c.host_tokens,
+            "hicache_write_policy": c.write_policy, "storage": _redact(c.storage),
+            "disable_radix_cache": not c.prefix_reuse,
+            "chunked_prefill_size": engine.scheduler.step_tokens,
+            "kv_pools": [p.name for p in engine.layout.pools], "device": str(engine.device)}
+
+
+def _redact(url: str | None) -> str | None:
+    """A storage URL without a user or password (redis://:SECRET@host)."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
