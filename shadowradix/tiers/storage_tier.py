@@ -61,6 +61,7 @@ class StorageTier:
         self.faults: Counter[str] = Counter()  # faults seen here, not in the backend
         # The backend is only ever called from this one thread, in submission order.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage")
+        self._stream: Any = None  # CUDA pools: the copy stream of write-through (lazily)
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
         return [object_key(self.namespace, name, hashes[i])
@@ -119,22 +120,50 @@ class StorageTier:
     def save(self, tokens: np.ndarray, lo: int, hi: int, pages: Mapping[str, np.ndarray],
              tensor: Callable[[str], Any]) -> None:
         """Write-through: store pages [lo, hi) of every pool (`pages[pool][0:hi-lo]`).
-        The bytes are copied now; the store call runs on the storage thread."""
+
+        The bytes leave the pages before anything later writes to them, so the caller may
+        hand the pages on at once: CPU pools are copied now; CUDA pools go through a copy
+        stream into pinned buffers, and the compute stream waits for that copy on the
+        device (no host synchronisation on the scheduler's thread). The store call, and
+        on CUDA the wait for the copy, run on the storage thread."""
         if hi <= lo:
             return
-        import torch
-
         hashes = page_hashes(tokens[:hi * self.page_size], self.page_size)
         keys = self._keys(hashes, lo, hi)
         n = len(self.names)
-        items = []
-        for k, key in enumerate(keys):
-            name = self.names[k % n]
-            page = int(pages[name][k // n])
-            page_data = tensor(name)[:, page].contiguous().reshape(-1)
-            payload = page_data.view(torch.uint8).cpu().numpy().tobytes()  # any dtype, bf16 too
-            items.append((key, payload))
-        self._thread.submit(self._store, items)
+        sources = [tensor(self.names[k % n])[:, int(pages[self.names[k % n]][k // n])]
+                   for k in range(len(keys))]
+        if sources and sources[0].is_cuda:
+            staged, copied = self._stage(sources)
+            self._thread.submit(self._store_staged, keys, staged, copied)
+        else:
+            self._thread.submit(self._store, list(zip(keys, map(_payload, sources),
+                                                      strict=True)))
+
+    def _stage(self, sources: list[Any]) -> tuple[list[Any], Any]:
+        """Device -> pinned host copies on this tier's own stream, after the KV written so
+        far; returns the buffers and the event that marks them done."""
+        import torch
+
+        device = sources[0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        compute = torch.cuda.current_stream(device)
+        self._stream.wait_stream(compute)
+        staged = []
+        with torch.cuda.stream(self._stream):
+            for src in sources:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                buf.copy_(src, non_blocking=True)
+                staged.append(buf)
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        compute.wait_event(copied)  # a later write to these pages runs after the copy
+        return staged, copied
+
+    def _store_staged(self, keys: list[str], staged: list[Any], copied: Any) -> None:
+        copied.synchronize()  # on the storage thread: the scheduler never waits for it
+        self._store(list(zip(keys, map(_payload, staged), strict=True)))
 
     def _store(self, items: list[tuple[str, bytes]]) -> None:
         ok = self.backend.batch_set(items)
@@ -162,3 +191,10 @@ class StorageTier:
         """Wait for the prefetches in flight, then close the backend."""
         self._thread.shutdown(wait=True)
         self.backend.close()
+
+
+def _payload(page: Any) -> bytes:
+    """A page's bytes (any dtype, bf16 too) from a CPU tensor [layers, entries, ...]."""
+    import torch
+
+    return page.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
