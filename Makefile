@@ -40,6 +40,7 @@ bench: install
 	$(BIN)/python benchmarks/engine.py --json out/engine.json
 	$(BIN)/python benchmarks/tiers.py --json out/tiers.json
 	$(BIN)/python benchmarks/serve.py --json out/serve.json
+	$(BIN)/python benchmarks/fleet.py --json out/fleet.json
 	$(BIN)/python benchmarks/hisparse_replay.py --json out/hisparse_replay.json
 
 clean:
