@@ -75,12 +75,14 @@ def test_worker_endpoints_in_sglang_shapes(tmp_path):
 
 
 def _load_while_a_request_runs(server: ServerThread, get) -> None:
-    """A long stream is in flight: the load counts it and its prompt tokens."""
+    """A long stream is in flight: the load counts it and its prompt tokens (leaving the
+    stream aborts it)."""
     body = {"input_ids": list(range(5, 45)), "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
     with httpx.stream("POST", f"{server.url}/generate", json=body, headers=auth(),
                       timeout=60) as r:
-        next(r.iter_lines())  # the first token is out: the request is running
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream (an abort)
+        next(lines)  # the first token is out: the request is running
         running = [{"dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 40}]
         # (the snapshot is the last step's: the one after the first token may lag it a bit)
         wait_for(lambda: get("/get_load").json() == running, what="the load of one request")
