@@ -198,3 +198,41 @@ def test_pages_stored_from_a_running_request_hold_their_own_data(model, tmp_path
     assert r.cached_by_tier["storage"] == 96
     check(model, branch, r)
     second.close()
+
+
+def test_a_slow_storage_read_holds_back_only_its_own_request(model, redis_url):
+    """A request whose L3 read hangs (the server paused) keeps its place in the queue, but
+    a later one that needs no read (its prefix is on the device) is admitted meanwhile;
+    once the read gives up, everything completes exactly. (Before: the queue waited.)"""
+    stored = rand_tokens(75, 40)
+    eng, turn2 = two_engines(model, redis_url.url, stored)
+    held = rand_tokens(70, 41)
+    eng.generate([held], P)  # on the device from now on
+    long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    eng.add_request(rand_tokens(20, 42), long)
+    for _ in range(3):
+        eng.step()
+    redis_url.pause()
+    try:
+        slow = eng.add_request(turn2, P, return_logits=True)
+        fast = eng.add_request(held, P, return_logits=True)
+        done: dict = {}
+        first_token: list[str] = []
+        while fast not in done:
+            for out in eng.step():
+                if out.new_token_ids and out.request_id not in first_token:
+                    first_token.append(out.request_id)
+                if out.finished:
+                    done[out.request_id] = out.result
+        assert slow not in first_token  # still waiting for its read
+    finally:
+        redis_url.resume()
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.result
+    check(model, held, done[fast])
+    check(model, turn2, done[slow])
+    assert done[fast].cached_by_tier["device"] == 64
+    eng.check_integrity()
+    eng.close()

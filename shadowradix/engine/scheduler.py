@@ -57,19 +57,22 @@ class Scheduler:
     # -------------------------------------------------------------- admit
     def admit(self) -> None:
         """Admit waiting requests in arrival order while this step's token budget has room
-        for them; stop at the first that does not fit, or whose storage read is still in
-        flight while others can run. After a step that preempted, admit nothing new until a
-        step runs without preempting."""
+        for them; stop at the first that does not fit. One whose storage read is still in
+        flight while others run keeps its place, and those behind it are considered (a slow
+        read holds back no one but its own request). After a step that preempted, admit
+        nothing new until a step runs without preempting."""
         if self._preempted_last_step and self.running:
             return
         manager = self.manager
         budget = self._budget_left()
-        while self.waiting and (budget > 0 or not self.running):
-            req = self.waiting[0]
+        reading = 0  # requests at the head of the queue whose storage reads are in flight
+        while len(self.waiting) > reading and (budget > 0 or not self.running):
+            req = self.waiting[reading]
             tokens = np.asarray(req.ids, dtype=np.int32)
             fetched = self._prefetched(req, tokens)
             if fetched is _PENDING:
-                return  # the running requests compute while storage answers
+                reading += 1  # it keeps its place; those behind it need not wait for its read
+                continue
             if fetched is not None and manager.host is not None:
                 landed = manager.land(tokens, fetched)
                 if landed:  # L3 -> L2: the match sees it (else it goes to the device)
@@ -78,7 +81,7 @@ class Scheduler:
             lease = manager.admit(tokens, chunk, fetched, req.landed)
             if lease is None:
                 return  # waits for running requests to finish or cache pages
-            self.waiting.popleft()
+            del self.waiting[reading]
             self._start(req, lease)
             budget -= len(req.ids) - req.computed
 

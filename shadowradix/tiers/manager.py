@@ -112,11 +112,13 @@ class CacheManager:
     # -------------------------------------------------------------- admit
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
         """Start reading from storage what lies past the device and host for `tokens`;
-        None without storage. Changes nothing in the tree."""
+        None without storage or with nothing to read. Changes nothing in the tree."""
         if self.storage is None or not self.reuse:
             return None
         peek = self.cache.peek(tokens)
         limit = (tokens.size - 1) // self.page_size
+        if limit <= peek.held_table.shape[1]:
+            return None  # the tiers above hold all a resume could use: no read to queue
         return self.storage.prefetch(tokens, peek.held_table, limit)
 
     def land(self, tokens: np.ndarray, fetched: Fetched) -> int:
