@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import re
 import signal
@@ -81,7 +80,18 @@ from common import write_json
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
-from serve import TIERS, Failed, Outcome, Request, ms, summarize, warm_up, workload
+from serve import (
+    TIERS,
+    Failed,
+    Outcome,
+    Request,
+    ms,
+    replay,
+    sse_events,
+    summarize,
+    warm_up,
+    workload,
+)
 from valkey_cluster import ValkeyCluster
 
 from shadowradix.tiers.storage import object_key
@@ -117,42 +127,14 @@ async def send(client: httpx.AsyncClient, req: Request) -> Outcome:
     out = Outcome(sent=time.perf_counter())
     text = ""
     try:
-        async with client.stream("POST", "/generate", json=body) as resp:
-            if resp.status_code != 200:
-                raise Failed(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                if not line.startswith("data: "):
-                    raise Failed(f"not an SSE data line: {line[:80]!r}")
-                if line == "data: [DONE]":
-                    out.done = True
-                    break
-                event = json.loads(line[len("data: "):])
-                take_event(out, event, text, time.perf_counter())
-                text = event["text"]
+        async for event in sse_events(client, "/generate", body, out):
+            take_event(out, event, text, time.perf_counter())
+            text = event["text"]
         out.check(req)
     except (Failed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         out.error = f"{type(e).__name__}: {e}"
     out.ended = time.perf_counter()
     return out
-
-
-async def replay(url: str, requests: list[Request]) -> tuple[list[Outcome], float, float]:
-    """serve.replay's open loop, with this module's `send`."""
-    n = len(requests)
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30),
-                                 limits=limits) as client:
-        start = time.perf_counter()
-
-        async def at_its_time(req: Request) -> Outcome:
-            await asyncio.sleep(max(0.0, start + req.send_at - time.perf_counter()))
-            return await send(client, req)
-
-        outcomes = await asyncio.gather(*(at_its_time(r) for r in requests))
-    lag = max(o.sent - start - r.send_at for o, r in zip(outcomes, requests, strict=True))
-    return outcomes, max(o.ended for o in outcomes) - start, lag
 
 
 # --------------------------------------------------------------------------------- fleet
@@ -258,7 +240,7 @@ def run_phase(fleet_argv: list[str], requests: list[Request],
             flush_cluster(cluster)
         before = [instance_metrics(u) for u in urls]
         load = os.getloadavg()[0]
-        outcomes, wall, lag = asyncio.run(replay(fleet.url, requests))
+        outcomes, wall, lag = asyncio.run(replay(fleet.url, requests, send))
         per_instance = [minus(instance_metrics(u), b) for u, b in zip(urls, before, strict=True)]
     return {**summarize(outcomes, wall, lag), "instances": per_instance,
             "load_average": [load, os.getloadavg()[0]],

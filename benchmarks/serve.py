@@ -58,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -228,24 +229,32 @@ class Outcome:
         return int(self.usage["prompt_tokens_details"]["cached_tokens_by_tier"][tier])
 
 
+async def sse_events(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                     out: Outcome) -> AsyncIterator[dict[str, Any]]:
+    """POST `body` to `path` and yield each `data: {json}` event of the stream; `out.done`
+    is set at `data: [DONE]`. Raises Failed on a status other than 200 or a malformed line."""
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            raise Failed(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line:
+                continue
+            if not line.startswith("data: "):
+                raise Failed(f"not an SSE data line: {line[:80]!r}")
+            if line == "data: [DONE]":
+                out.done = True
+                return
+            yield json.loads(line[len("data: "):])
+
+
 async def send(client: httpx.AsyncClient, req: Request) -> Outcome:
     body = {"model": MODEL, "prompt": req.prompt, "max_tokens": req.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     out = Outcome(sent=time.perf_counter())
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise Failed(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                if not line.startswith("data: "):
-                    raise Failed(f"not an SSE data line: {line[:80]!r}")
-                if line == "data: [DONE]":
-                    out.done = True
-                    break
-                out.take(json.loads(line[len("data: "):]), time.perf_counter())
+        async for event in sse_events(client, "/v1/completions", body, out):
+            out.take(event, time.perf_counter())
         out.check(req)
     except (Failed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         out.error = f"{type(e).__name__}: {e}"
@@ -253,9 +262,13 @@ async def send(client: httpx.AsyncClient, req: Request) -> Outcome:
     return out
 
 
-async def replay(url: str, requests: list[Request]) -> tuple[list[Outcome], float, float]:
-    """Send every request at its time; (outcomes, seconds from the start to the last answer,
-    the latest any request left after its scheduled time)."""
+Send = Callable[[httpx.AsyncClient, Request], Awaitable[Outcome]]
+
+
+async def replay(url: str, requests: list[Request],
+                 send: Send = send) -> tuple[list[Outcome], float, float]:
+    """Send every request at its time (with `send`); (outcomes, seconds from the start to
+    the last answer, the latest any request left after its scheduled time)."""
     n = len(requests)
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     timeout = httpx.Timeout(600, connect=30)

@@ -43,6 +43,22 @@ def valkey_cluster(valkey_cluster_module):  # type: ignore[no-untyped-def]
     yield valkey_cluster_module
     valkey_cluster_module.revive()
 
+@pytest.fixture(scope="module")
+def conversation():
+    """The first 1,500 requests of the bundled conversation trace."""
+    from shadowradix.sim.trace import bundled_trace, load_trace
+
+    return load_trace(bundled_trace("conversation"), limit=1500)
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    """The first 600 requests of the bundled synthetic trace."""
+    from shadowradix.sim.trace import bundled_trace, load_trace
+
+    return load_trace(bundled_trace("synthetic"), limit=600)
+
+
 STEPS: dict[str, int] = {}
 LOGIT_DIFFS: list[float] = []  # every differential check against transformers
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import tiny_layout
 
 from shadowradix.layout import deepseek_v4_flash, deepseek_v4_pro
-from shadowradix.sim import bundled_trace, load_trace, replay
+from shadowradix.sim import replay
 from shadowradix.sim.simulate import make_cache, policy_choice, simulate
 from shadowradix.sim.sizing import GB, pages_for_shared_budget
 from shadowradix.tiers import PrefixCache
@@ -16,16 +16,6 @@ from shadowradix.tree.resume import HALF_LIFE, MAX_OFFSET, REFRESH, ResumeOffset
 
 PS = 4
 ADAPTIVE = CheckpointPolicy(learn_resume=True)
-
-
-@pytest.fixture(scope="module")
-def conversation():
-    return load_trace(bundled_trace("conversation"), limit=1500)
-
-
-@pytest.fixture(scope="module")
-def synthetic():
-    return load_trace(bundled_trace("synthetic"), limit=600)
 
 
 # ---------------------------------------------------------------- ResumeOffsets

@@ -18,16 +18,6 @@ from shadowradix.sim.simulate import (
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
 
 
-@pytest.fixture(scope="module")
-def conversation():
-    return load_trace(bundled_trace("conversation"), limit=1500)
-
-
-@pytest.fixture(scope="module")
-def synthetic():
-    return load_trace(bundled_trace("synthetic"), limit=600)
-
-
 @pytest.mark.parametrize("policy", ["shadowradix", "no-shadows"])
 @pytest.mark.parametrize("trace", ["conversation", "synthetic"])
 def test_unbounded_hit_rate_equals_the_bound_exactly(policy, trace, request):

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> None:
-    """Write a PNG. Needs matplotlib (`pip install shadowradix[plot]`)."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -16,14 +15,12 @@ def plot_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
-    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in runs:
-        if r["device_gb"] is not None:
-            lines[r["policy"]].append((r["device_gb"], 100 * r["hit_rate"]))
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for policy, points in lines.items():
-        xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", label=policy)
+    return plt
+
+
+def _finish(plt: Any, fig: Any, ax: Any, runs: list[dict[str, Any]], out: Path,
+            title: str) -> None:
+    """The bound lines, axes and legend every hit-rate plot shares; writes the PNG."""
     bound = 100 * runs[0]["bound_hit_rate"]
     ax.axhline(bound, color="grey", linestyle="--", label=f"infinite-cache bound ({bound:.1f}%)")
     ax.axhline(0.9 * bound, color="grey", linestyle=":", label="90% of bound")
@@ -37,6 +34,20 @@ def plot_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
+
+
+def plot_sweep(runs: list[dict[str, Any]], out: Path, title: str) -> None:
+    """Write a PNG. Needs matplotlib (`pip install shadowradix[plot]`)."""
+    plt = _pyplot()
+    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in runs:
+        if r["device_gb"] is not None:
+            lines[r["policy"]].append((r["device_gb"], 100 * r["hit_rate"]))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for policy, points in lines.items():
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker="o", label=policy)
+    _finish(plt, fig, ax, runs, out, title)
 
 
 STATIC_PREFIXES = ("periodic-", "eager-swa", "no-shadows")
@@ -58,10 +69,7 @@ def envelope(runs: list[dict[str, Any]]) -> dict[float, dict[str, Any]]:
 def plot_envelope(runs: list[dict[str, Any]], out: Path, title: str) -> None:
     """A PNG: the adaptive and default policies and no shadows against the envelope of the
     static settings, hit rate vs device GB. Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     best = envelope(runs)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
@@ -76,16 +84,4 @@ def plot_envelope(runs: list[dict[str, Any]], out: Path, title: str) -> None:
             px, py = zip(*pts, strict=True)
             ax.plot(px, py, style, label={"shadowradix": "default today (share 0.1)"}
                     .get(policy, policy))
-    bound = 100 * runs[0]["bound_hit_rate"]
-    ax.axhline(bound, color="grey", linestyle="--", label=f"infinite-cache bound ({bound:.1f}%)")
-    ax.axhline(0.9 * bound, color="grey", linestyle=":", label="90% of bound")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("device KV memory (GB)")
-    ax.set_ylabel("prompt tokens served from cache (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
+    _finish(plt, fig, ax, runs, out, title)
