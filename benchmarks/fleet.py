@@ -85,6 +85,7 @@ from serve import (
     Failed,
     Outcome,
     Request,
+    add_workload_arguments,
     ms,
     replay,
     sse_events,
@@ -461,12 +462,7 @@ def clean(result: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--requests", type=int, default=48, help="trace requests to replay")
-    ap.add_argument("--block-tokens", type=int, default=16,
-                    help="tokens each 512-token trace block becomes")
-    ap.add_argument("--speedup", type=float, default=50.0,
-                    help="the trace's clock runs this much faster")
-    ap.add_argument("--max-tokens", type=int, default=8, help="cap on each request's output")
+    add_workload_arguments(ap, requests=48)
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--device-tokens", type=int, default=4096, help="per instance")

@@ -374,14 +374,19 @@ def report(console: Console, res: dict[str, Any]) -> None:
                   f"{verdict} the target (<= {TARGET})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--requests", type=int, default=96, help="trace requests to replay")
+def add_workload_arguments(ap: argparse.ArgumentParser, requests: int) -> None:
+    """The replay's flags (what `workload` takes), shared with fleet.py."""
+    ap.add_argument("--requests", type=int, default=requests, help="trace requests to replay")
     ap.add_argument("--block-tokens", type=int, default=16,
                     help="tokens each 512-token trace block becomes")
     ap.add_argument("--speedup", type=float, default=50.0,
                     help="the trace's clock runs this much faster")
     ap.add_argument("--max-tokens", type=int, default=8, help="cap on each request's output")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_workload_arguments(ap, requests=96)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--device-tokens", type=int, default=4096)
     ap.add_argument("--host-tokens", type=int, default=16384)

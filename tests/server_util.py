@@ -70,30 +70,31 @@ class ServerThread:
         self.sock.close()
 
 
-class ServerProcess:
-    """`python -m shadowradix serve ...` as a child process on an ephemeral port."""
+class ChildProcess:
+    """`python -m shadowradix COMMAND ARGV` as a child process: its stderr is kept in `log`
+    and each line goes to `on_line`; ready once that returns True (or the child exits)."""
 
-    def __init__(self, *argv: str, timeout: float = 120) -> None:
+    def __init__(self, command: str, *argv: str, timeout: float = 180) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", "serve", "--port",
-                                      "0", *argv], stderr=subprocess.PIPE, text=True, env=env,
-                                     cwd=ROOT)
-        assert self.proc.stderr is not None
+        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", command, *argv],
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.log: list[str] = []
-        line = ""
-        while "serving" not in line:
-            line = self.proc.stderr.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError("the server exited: " + "".join(self.log))
-            self.log.append(line)
-        self.url = line.strip().rsplit(" ", 1)[-1]
-        threading.Thread(target=self._drain, daemon=True).start()
-        wait_healthy(self.url, timeout)
+        self.url = ""
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout) or not self.url:
+            raise RuntimeError(f"shadowradix {command} did not start:\n" + "".join(self.log))
 
-    def _drain(self) -> None:
+    def on_line(self, line: str) -> bool:
+        raise NotImplementedError
+
+    def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.log.append(line)
+            if self.on_line(line):
+                self._ready.set()
+        self._ready.set()  # it exited
 
     def terminate(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -103,6 +104,20 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class ServerProcess(ChildProcess):
+    """`python -m shadowradix serve ...` on an ephemeral port, once /health says ready."""
+
+    def __init__(self, *argv: str, timeout: float = 120) -> None:
+        super().__init__("serve", "--port", "0", *argv, timeout=timeout)
+        wait_healthy(self.url, timeout)
+
+    def on_line(self, line: str) -> bool:
+        if not self.url and line.startswith("shadowradix: serving "):
+            self.url = line.strip().rsplit(" ", 1)[-1]
+            return True
+        return False
 
 
 def wait_healthy(url: str, timeout: float = 120) -> None:

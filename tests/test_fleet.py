@@ -10,14 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_util import ROOT, ServerThread, metrics, wait_for
+from server_util import ROOT, ChildProcess, ServerThread, metrics, wait_for
 
 from shadowradix.server.fleet import add_arguments, instance_argv
 from shadowradix.server.info_api import _redact
@@ -34,8 +33,6 @@ OPENINGS = [
 FOLLOW_UPS = ["Go on, and give an example.", "Now summarise it in one sentence."]
 FORCED = "Storage test: a conversation whose second turn lands on the other instance, on purpose."
 
-sglang_router = pytest.importorskip("sglang_router", reason="sglang-router is not installed "
-                                    "(pip install -e '.[dev]')")
 
 
 def auth() -> dict[str, str]:
@@ -106,43 +103,26 @@ def test_every_serve_flag_given_to_the_fleet_reaches_each_instance():
 
 
 # ------------------------------------------------------------------------ the fleet
-class FleetProcess:
+class FleetProcess(ChildProcess):
     """`python -m shadowradix fleet ...`: its router URL, its instances' URLs (from their
     forwarded `serving` lines) and its children's pids."""
 
     def __init__(self, *argv: str, timeout: float = 180) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", "fleet", *argv],
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self.log: list[str] = []
         self.instances: dict[int, str] = {}
-        self.url = ""
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(timeout) or not self.url:
-            raise RuntimeError("the fleet did not start:\n" + "".join(self.log))
+        super().__init__("fleet", *argv, timeout=timeout)
         self.children = child_pids(self.proc.pid)
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if m := re.match(r"\[instance (\d+)\] shadowradix: serving \S+ on (\S+)", line):
-                self.instances[int(m.group(1))] = m.group(2)
-            if m := re.match(r"shadowradix: fleet of \d+ on (\S+)", line):
-                self.url = m.group(1)
-                self.ready.set()
-        self.ready.set()  # it exited
-
-    def stop(self, timeout: float = 90) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+    def on_line(self, line: str) -> bool:
+        if m := re.match(r"\[instance (\d+)\] shadowradix: serving \S+ on (\S+)", line):
+            self.instances[int(m.group(1))] = m.group(2)
+        if m := re.match(r"shadowradix: fleet of \d+ on (\S+)", line):
+            self.url = m.group(1)
+            return True
+        return False
 
     def kill(self) -> None:
         """Whatever is left, even after a failure: the fleet, then any child of it."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().kill()
         for pid in getattr(self, "children", []):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
@@ -231,7 +211,7 @@ def test_two_servers_behind_the_router_share_l3(tmp_path):
                  [{"role": "user", "content": "hi"}])
         _routed_conversations(client, fleet, store, want)
         _second_turn_on_the_other_instance(fleet.instances, store, want)
-        assert fleet.stop() == 0, "".join(fleet.log)
+        assert fleet.terminate(90) == 0, "".join(fleet.log)
         assert not [pid for pid in fleet.children if alive(pid)]
     finally:
         fleet.kill()

@@ -63,7 +63,7 @@ class Gate:
         await self.app(scope, receive, send_with_id)
 
 
-def build_app(runtime: Runtime, on_loaded: Callable[[], None] | None = None) -> FastAPI:
+def build_app(runtime: Runtime) -> FastAPI:
     """The app over a runtime whose engine loop is not started yet: startup starts it
     (the model loads on the engine thread; /health says 503 until then), shutdown stops
     it (requests still in flight are aborted, copies and storage writes finish)."""

@@ -12,6 +12,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,8 @@ def options(body: Decoding, max_tokens: int | None, seed: int | None) -> Options
 
 class Generation:
     def __init__(self, loop: EngineLoop, metrics: ServerMetrics, tokenizer: Any,
-                 eos: set[int], max_len: int, prompts: list[list[int]], opts: Options) -> None:
+                 eos: AbstractSet[int], max_len: int, prompts: list[list[int]],
+                 opts: Options) -> None:
         self.loop = loop
         self.metrics = metrics
         self.eos = eos

@@ -11,13 +11,12 @@ the rest. It takes the worker's model id from `served_model_name` and tries to l
 tokenizer from `tokenizer_path` or `model_path` (a warning if it cannot: HTTP routing,
 cache-aware included, works on the request text and does not need one).
 
-The settings come from the engine once, between steps (they never change); the load is
+The settings are the engine's, taken once when it is built (they never change); the load is
 the engine loop's last published snapshot, so none of this waits for a step.
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -31,15 +30,15 @@ from shadowradix.server.runtime import Runtime
 
 async def model_info(request: Request) -> JSONResponse:
     """SGLang's `/model_info`: where the model and its tokenizer come from."""
-    return JSONResponse(_model_info(request.app.state.runtime, await _settings(request)))
+    rt: Runtime = request.app.state.runtime
+    return JSONResponse(_model_info(rt, rt.settings))
 
 
 async def server_info(request: Request) -> JSONResponse:
     """SGLang's `/server_info`: the server's settings (SGLang's names where one means
     the same), never the API key, and the storage URL without its credentials."""
     rt: Runtime = request.app.state.runtime
-    engine = await _settings(request)
-    return JSONResponse({**_model_info(rt, engine), **engine,
+    return JSONResponse({**_model_info(rt, rt.settings), **rt.settings,
                          "served_model_name": rt.model_name, "context_length": rt.max_len,
                          "max_queued_requests": rt.loop.max_queue, "tp_size": 1, "dp_size": 1,
                          "disaggregation_mode": "null", "version": __version__})
@@ -67,18 +66,9 @@ def _model_info(rt: Runtime, engine: dict[str, Any]) -> dict[str, Any]:
             "has_audio_understanding": False}
 
 
-async def _settings(request: Request) -> dict[str, Any]:
-    """The engine's fixed settings, read once on the engine thread and kept on the app."""
-    state = request.app.state
-    if getattr(state, "engine_settings", None) is None:
-        settings: dict[str, Any] = await asyncio.wrap_future(
-            state.runtime.loop.call(_engine_settings))
-        state.engine_settings = settings
-    return dict(state.engine_settings)
-
-
-def _engine_settings(engine: Any) -> dict[str, Any]:
-    """On the engine thread: the cache configuration and the model's identity."""
+def engine_settings(engine: Any) -> dict[str, Any]:
+    """The cache configuration and the model's identity (taken on the engine thread, once
+    the engine is built)."""
     c, hf = engine.config, engine.runner.config
     return {"model_type": getattr(hf, "model_type", None),
             "architectures": getattr(hf, "architectures", None),

@@ -7,7 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -29,6 +29,7 @@ class Runtime:
     vocab_size: int = 0
     eos: frozenset[int] = frozenset()
     max_len: int = 0  # prompt + output tokens one request may hold
+    settings: dict[str, Any] = field(default_factory=dict)  # the engine's, for /server_info
 
     def loaded(self) -> None:
         """Raise 503 while the model is still loading (or failed to)."""
@@ -69,7 +70,7 @@ class Runtime:
         return list(ids)
 
     def generation(self, prompts: list[list[int]], opts: Options) -> Generation:
-        return Generation(self.loop, self.metrics, self.tokenizer, set(self.eos), self.max_len,
+        return Generation(self.loop, self.metrics, self.tokenizer, self.eos, self.max_len,
                           prompts, opts)
 
 

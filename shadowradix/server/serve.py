@@ -80,6 +80,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         import torch
 
         from shadowradix.engine import Engine
+        from shadowradix.server.info_api import engine_settings
 
         dtype = getattr(torch, args.dtype)
         model, tokenizer = load_model(args.model, dtype, args.device)
@@ -88,6 +89,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         runtime.vocab_size = engine.vocab_size
         runtime.eos = frozenset(engine.eos)
         runtime.max_len = engine.max_sequence_len()
+        runtime.settings = engine_settings(engine)
         log.info("loaded %s: max %d tokens per request", name, runtime.max_len)
         return engine
 
