@@ -174,7 +174,11 @@ def test_invalid_sampling_params(kwargs, match):
     (dict(page_size=0), "page_size"),
     (dict(page_size=16, device_tokens=8), "device_tokens"),
     (dict(page_size=16, host_tokens=8), "host_tokens"),
-    (dict(hisparse_buffer=64), "HiSparse"),
+    (dict(hisparse_buffer=1), "hisparse_buffer"),
+    (dict(hisparse_buffer=True), "hisparse_buffer"),
+    (dict(hisparse_buffer=8.0), "hisparse_buffer"),
+    (dict(hisparse_requests=4), "hisparse_requests"),
+    (dict(hisparse_buffer=8, hisparse_requests=0), "hisparse_requests"),
 ])
 def test_invalid_cache_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -205,7 +209,7 @@ def test_stats_report_hits_pools_and_hisparse(model):
     st = eng.stats()
     assert st["hits"]["device"] == 32 and st["requests"] == 2
     assert set(st["pools"]) == {"swa", "c4", "c4_index", "c128", "state"}
-    assert st["hisparse"] == {"hits": 0, "misses": 0, "bytes_moved": 0}
+    assert st["hisparse"] == {"enabled": False, "hits": 0, "misses": 0, "bytes_moved": 0}
 
 
 @pytest.mark.parametrize("host_tokens", [0, 1024])

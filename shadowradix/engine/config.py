@@ -40,7 +40,14 @@ class CacheConfig:
         a request that misses the device loads what it can from there.
     storage_cap_bytes: for file://, the directory's size cap (least recently used
         objects go first); None: no cap. Redis caps itself (maxmemory).
-    hisparse_buffer: HiSparse (not built yet: None).
+    hisparse_buffer: HiSparse (DESIGN.md §6): C4 entries per request per CSA layer kept
+        on the device; None turns it off. At least the model's index_topk + 1 (the engine
+        checks, naming the minimum). The C4 pool then lives in host memory (pinned on
+        CUDA), sized like the other pools from `device_tokens`, still owned and shared by
+        the tree; the device holds each running request's hot buffers instead.
+    hisparse_requests: with HiSparse, how many hot-buffer sets the device holds: at most
+        this many requests run at once. None: as many as fit in the bytes the C4 pool
+        would have taken on the device (so turning HiSparse on never grows device memory).
     window_tokens: the sliding-window pool's size in tokens, set apart from
         `device_tokens` (None: the same). A running request keeps only its window and
         resume pages there, so a window pool several times smaller than the sequences
@@ -61,6 +68,7 @@ class CacheConfig:
     storage: str | None = None
     storage_cap_bytes: int | None = None
     hisparse_buffer: int | None = None
+    hisparse_requests: int | None = None
     window_tokens: int | None = None
     prefix_reuse: bool = True
     debug_poison: bool = False
@@ -99,8 +107,16 @@ class CacheConfig:
                 or self.storage is None or not self.storage.startswith("file://")):
             raise ValueError(f"storage_cap_bytes must be an int >= 1 with file:// storage, "
                              f"got {self.storage_cap_bytes!r} for {self.storage!r}")
-        if self.hisparse_buffer is not None:
-            raise ValueError("hisparse_buffer: HiSparse is not available yet; use None")
+        if self.hisparse_buffer is not None and (
+                not _is_int(self.hisparse_buffer) or self.hisparse_buffer < 2):
+            raise ValueError(f"hisparse_buffer must be None (off) or an int >= index_topk + 1, "
+                             f"got {self.hisparse_buffer!r}")
+        if self.hisparse_requests is not None and (
+                not _is_int(self.hisparse_requests) or self.hisparse_requests < 1
+                or self.hisparse_buffer is None):
+            raise ValueError(f"hisparse_requests must be None or an int >= 1 with "
+                             f"hisparse_buffer set, got {self.hisparse_requests!r} "
+                             f"(hisparse_buffer={self.hisparse_buffer!r})")
         if self.window_tokens is not None and (
                 isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int)
                 or self.window_tokens < self.page_size or self.window_tokens % self.page_size):

@@ -31,6 +31,7 @@ from shadowradix.model.attention import CSA
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.sparse import AccessStream
+from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager
 from shadowradix.tiers.mover import mover_for
@@ -68,14 +69,17 @@ class Engine:
         pages = {p.name: (config.window_tokens if p.retention is Retention.WINDOW
                           and config.window_tokens is not None else config.device_tokens)
                  // config.page_size for p in self.layout.pools}
+        self._csa_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == CSA]
+        self._index_topk = int(getattr(cfg, "index_topk", 1))
+        self._check_hisparse(config)
+        resident = ("c4",) if config.hisparse_buffer is not None else ()
         self._prefix = PrefixCache(self.layout, pages, device=self.device,
-                                   host_pages=host_pages)
+                                   host_pages=host_pages, in_host_memory=resident)
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(cfg.layer_types))
         self.runner = DeepseekV4Runner(hf_model.eval())
-        self._csa_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == CSA]
-        self._index_topk = int(getattr(cfg, "index_topk", 1))
+        self.hot = self._hot_buffers(config)
         self.storage = None
         if config.storage is not None:
             self.storage = StorageTier(open_storage(config.storage, config.storage_cap_bytes),
@@ -86,7 +90,7 @@ class Engine:
                                  config.write_policy, config.write_hit_threshold)
         self.manager = CacheManager(self._prefix, self.host, self.storage,
                                     poison=config.debug_poison, reuse=config.prefix_reuse)
-        self.scheduler = Scheduler(self.manager, step_tokens)
+        self.scheduler = Scheduler(self.manager, step_tokens, self.hot)
         self.cache = CacheControl(self._prefix, self.storage, self.host)
         self._counters: dict[str, float] = {
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
@@ -97,6 +101,31 @@ class Engine:
         self._ids = itertools.count()
         self._busy = threading.Lock()
         self._closed = False
+
+    def _check_hisparse(self, config: CacheConfig) -> None:
+        if config.hisparse_buffer is None:
+            return
+        if not self._csa_layers:
+            raise ValueError("hisparse_buffer: this model has no compressed sparse attention "
+                             "(CSA) layers, so there is no C4 KV to keep hot; use None")
+        least = self._index_topk + 1
+        if config.hisparse_buffer < least:
+            raise ValueError(f"hisparse_buffer must be at least index_topk + 1 = {least} (the "
+                             f"newest entry needs a slot besides the {self._index_topk} read),"
+                             f" got {config.hisparse_buffer}")
+
+    def _hot_buffers(self, config: CacheConfig) -> HotBuffers | None:
+        """HiSparse's device arena: `hisparse_requests` buffer sets, by default as many as
+        the bytes the C4 pool would have taken on the device hold."""
+        n = config.hisparse_buffer
+        if n is None:
+            return None
+        spec = self.layout.pool("c4")
+        per_page = spec.entries_per_page(self.layout.page_size)
+        requests = config.hisparse_requests or max(
+            1, self._prefix.pools["c4"].num_pages * per_page // n)
+        return HotBuffers(self._csa_layers, requests, n, per_page, spec.entry_shape,
+                          getattr(torch, spec.dtype), self.device)
 
     @classmethod
     def from_hf(cls, hf_model: Any, config: CacheConfig, **kwargs: Any) -> Engine:
@@ -242,6 +271,8 @@ class Engine:
             table = torch.from_numpy(lease.table.astype(np.int64)).to(self.device)
             kv.page_tables = {name: table[row] for row, name in enumerate(self.layout.pool_names)}
             req.kv_version = lease.version
+            if isinstance(kv.c4, HotSet):  # its buffers forget entries on pages that moved
+                kv.c4.remap(lease.table[self.layout.index("c4")])
         return kv
 
     def _advance(self, c: Chunk, rows: torch.Tensor) -> StepOutput | None:
@@ -319,7 +350,8 @@ class Engine:
             "storage_errors": self.storage.errors if self.storage else 0,
             "storage_bytes": {"read": self.storage.bytes_read if self.storage else 0,
                               "written": self.storage.bytes_written if self.storage else 0},
-            "hisparse": {"hits": 0, "misses": 0, "bytes_moved": 0},
+            "hisparse": self.hot.stats() if self.hot is not None else {
+                "enabled": False, "hits": 0, "misses": 0, "bytes_moved": 0},
             "preemptions": self.scheduler.preemptions,
             "copy_deferrals": self.scheduler.deferred,
             "running": len(self.scheduler.running),

@@ -23,6 +23,7 @@ import numpy as np
 
 from shadowradix.engine.request import Request
 from shadowradix.model.context import RequestKV
+from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.storage_tier import Fetched
 
@@ -39,11 +40,13 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, manager: CacheManager, step_tokens: int) -> None:
+    def __init__(self, manager: CacheManager, step_tokens: int,
+                 hot: HotBuffers | None = None) -> None:
         if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
             raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
         self.manager = manager
         self.step_tokens = step_tokens
+        self.hot = hot  # HiSparse: a running request holds one set of hot buffers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -67,6 +70,8 @@ class Scheduler:
         budget = self._budget_left()
         reading = 0  # requests at the head of the queue whose storage reads are in flight
         while len(self.waiting) > reading and (budget > 0 or not self.running):
+            if self.hot is not None and not self.hot.free:
+                return  # every set of hot buffers is taken: wait for a request to end
             req = self.waiting[reading]
             tokens = np.asarray(req.ids, dtype=np.int32)
             fetched = self._prefetched(req, tokens)
@@ -93,6 +98,8 @@ class Scheduler:
 
     def _start(self, req: Request, lease: Lease) -> None:
         req.lease, req.kv, req.kv_version = lease, RequestKV({}), -1
+        if self.hot is not None:
+            req.kv.c4 = self.hot.acquire()
         req.computed = lease.cached
         req.prefetch = _USED
         if not req.admitted:
@@ -158,7 +165,7 @@ class Scheduler:
         it back at the head of the queue."""
         assert req.lease is not None
         self.manager.preempt(req.lease, req.ids, req.computed)
-        req.lease, req.kv = None, None
+        self._drop(req)
         self.running.remove(req)
         self.waiting.appendleft(req)
         req.computed, req.prefetch, req.landed = 0, None, 0
@@ -170,7 +177,7 @@ class Scheduler:
         """Hand the request's computed pages to the cache and forget it."""
         assert req.lease is not None
         self.manager.finish(req.lease, req.ids, req.computed)
-        req.lease, req.kv = None, None
+        self._drop(req)
         self.running.remove(req)
 
     def abort(self, req: Request) -> None:
@@ -181,7 +188,14 @@ class Scheduler:
             self.running.remove(req)
         if req.lease is not None:
             self.manager.abort(req.lease)
-            req.lease, req.kv = None, None
+            self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        """Forget the request's lease and page tables; its hot buffers go back."""
+        if req.kv is not None and isinstance(req.kv.c4, HotSet):
+            assert self.hot is not None
+            self.hot.release(req.kv.c4)
+        req.lease, req.kv = None, None
 
     def release_orphans(self) -> int:
         """Abort leases an exception left without a request (see CacheManager)."""

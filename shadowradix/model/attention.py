@@ -5,6 +5,7 @@ are stored and found:
 
     # swa       written at every position; the last W-1 before each query are gathered
     # c4        one entry per closed 4-window; only the indexer's top-k are gathered
+    #           (HiSparse: the pool is in host memory, read through a hot buffer)
     # c4_index  one key per closed 4-window; the indexer scores all of them
     # c128      one entry per closed 128-window; all are read
     # state     the CSA overlap at each page end the chunk crosses, for exact resume
@@ -109,9 +110,9 @@ def _emit(module: Any, series: str, pool: str, hidden: torch.Tensor,
     flat = store.flat(pool, layer)
     table = req.page_tables[pool]
     w0 = first // ratio
-    if new.shape[0]:
+    if new.shape[0]:  # the pool may live in host memory (HiSparse's C4): write it there
         pos = (torch.arange(new.shape[0], device=hidden.device) + w0) * ratio
-        flat[store.address(pool, table, pos)] = new
+        flat[store.address(pool, table, pos).to(flat.device)] = new.to(flat.device)
     count = w0 + new.shape[0]
     if not read_all:
         return None, w0, count, overlaps
@@ -161,6 +162,11 @@ def _csa(comp: Any, hidden: torch.Tensor, q_residual: torch.Tensor,
     # A real sparse gather: only the k selected C4 entries per query are read.
     table = req.page_tables["c4"]
     flat = store.flat("c4", layer)
+    if req.c4 is not None:  # HiSparse: from the request's hot buffer
+        def address(ids: torch.Tensor) -> torch.Tensor:
+            return store.address("c4", table, ids * ratio)
+
+        return req.c4.read(layer, flat, address, picked, valid, count), valid
     safe = torch.where(valid, picked, torch.zeros_like(picked))
     return flat[store.address("c4", table, safe * ratio)], valid
 

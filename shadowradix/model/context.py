@@ -6,7 +6,9 @@ of every logical page the request touches; addresses are derived from them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,6 +31,17 @@ class CompressorState:
     overlap_gate: torch.Tensor | None = None
 
 
+class C4Reader(Protocol):
+    """Where a request's selected C4 entries come from when the C4 pool is not on the
+    device (HiSparse: sparse/hot_buffer.py). The model hands it the layer's C4 pool, the
+    address of any logical entry, the selection `[L, k]` with its valid mask, and the
+    request's entry count; it returns the entries `[L, k, *entry]` on the device."""
+
+    def read(self, layer: int, source: torch.Tensor,
+             address: Callable[[torch.Tensor], torch.Tensor], picked: torch.Tensor,
+             valid: torch.Tensor, count: int) -> torch.Tensor: ...
+
+
 @dataclass
 class RequestKV:
     """One request's view of the pools.
@@ -39,11 +52,14 @@ class RequestKV:
     indexer selected for the chunk's LAST query row, with the entry count then: (ids, count).
     The caller sets it only for forwards whose last row it wants (HiSparse's access stream);
     None, the default, records nothing.
+    c4: with HiSparse, the request's C4 reader (its hot buffers); None reads the C4 pool
+    directly.
     """
 
     page_tables: dict[str, torch.Tensor]
     states: dict[tuple[int, str], CompressorState] = field(default_factory=dict)
     topk: dict[int, list[tuple[torch.Tensor, int]]] | None = None
+    c4: C4Reader | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ HostTier does (tiers/host_tier.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,15 +34,19 @@ def _sizes(layout: KVLayout, pages: int | Mapping[str, int]) -> dict[str, int]:
     return sizes
 
 
-def _pools(layout: KVLayout, sizes: dict[str, int], device: Any,
-           pin_memory: bool = False) -> dict[str, PagePool]:
+def _pools(layout: KVLayout, sizes: dict[str, int], device: Any, pin_memory: bool = False,
+           in_host_memory: Collection[str] = ()) -> dict[str, PagePool]:
+    cuda = device is not None and str(device).startswith("cuda")
     pools = {}
     for spec in layout.pools:
         storage = None
         if device is not None:
             from shadowradix.pool.storage import PoolStorage
 
-            storage = PoolStorage(spec, layout.page_size, sizes[spec.name], device, pin_memory)
+            where, pin = device, pin_memory
+            if spec.name in in_host_memory:
+                where, pin = "cpu", cuda
+            storage = PoolStorage(spec, layout.page_size, sizes[spec.name], where, pin)
         pools[spec.name] = PagePool(spec, layout.page_size, sizes[spec.name], storage)
     return pools
 
@@ -56,12 +60,16 @@ class PrefixCache:
     budget instead of each owning a fixed share. `pages` are then only ceilings (see
     sim/sizing.py `pages_for_shared_budget`); allocation evicts across pools
     (ShadowRadix.evict_bytes) to stay under the budget, so the window pool grows and
-    shrinks against the others with what the workload uses."""
+    shrinks against the others with what the workload uses.
+
+    `in_host_memory`: device-tier pools whose tensors live in CPU memory (pinned when
+    `device` is CUDA). The tree treats them as any L1 pool; HiSparse keeps the C4 pool
+    there and only hot copies of its entries on the device."""
 
     def __init__(self, layout: KVLayout, pages: int | Mapping[str, int],
                  policy: CheckpointPolicy | None = None, device: Any = None,
                  host_pages: int | Mapping[str, int] | None = None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, in_host_memory: Collection[str] = ()) -> None:
         if budget is not None and (device is not None or host_pages is not None or budget < 0):
             raise ValueError("a shared budget needs metadata-only device pools (device=None), "
                              "no host tier, and budget >= 0")
@@ -70,7 +78,8 @@ class PrefixCache:
         self._page_bytes = layout.page_bytes()
         self._row_bytes = [self._page_bytes[p.name] for p in layout.pools]
         self.tree = ShadowRadix(layout, policy, host=host_pages is not None)
-        self.pools: dict[str, PagePool] = _pools(layout, _sizes(layout, pages), device)
+        self.pools: dict[str, PagePool] = _pools(layout, _sizes(layout, pages), device,
+                                                 in_host_memory=in_host_memory)
         self.host_pools: dict[str, PagePool] = {}
         if host_pages is not None:
             cuda = device is not None and str(device).startswith("cuda")

@@ -1,0 +1,208 @@
+"""HiSparse's hot buffers (DESIGN.md §6): each running request's working set of C4 entries
+on the device, one buffer of `capacity` entries per CSA layer; the full C4 history stays in
+the host-resident C4 pool.
+
+    # decode, history <= capacity   fast path: slot w holds entry w; new entries are
+    #                               filled in as their windows close, no lookup
+    # decode, history >  capacity   each selected entry is a hit (resident) or a miss:
+    #                               copied from the host into a slot not selected this
+    #                               step, least recently used first
+    # prefill chunk (several rows)  staging: the union of the rows' selections is
+    #                               gathered from the host once; residency is unchanged
+
+Residency is keyed by the entry's physical address in the C4 pool (page, entry), not by
+its position in the request, so copies of pages the tree shares are never confused with
+a request's own; `remap` forgets entries whose page moved when the request's page table
+changed. A buffer holds copies only: the C4 pool keeps every entry.
+
+Replacement matches `sparse.replay`'s LRU model step for step (tests compare the live
+counters with an offline replay of the recorded stream): when a request leaves the fast
+path its buffer holds the whole history, never-selected entries first (by id), then by
+last selection; within a step hits are touched in selection order, then misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+EMPTY = -2  # the stamp of an empty slot: filled before anything is evicted
+NEVER = -1  # the stamp of a resident entry never selected (fast-path history)
+
+
+class _Layer:
+    """One request's buffer for one CSA layer: which entry each slot holds."""
+
+    __slots__ = ("fast", "filled", "keys", "stamps", "where")
+
+    def __init__(self, capacity: int) -> None:
+        self.fast = True  # slot w holds entry w, for w < filled
+        self.filled = 0
+        self.keys = np.full(capacity, -1, dtype=np.int64)  # physical address per slot
+        self.stamps = np.full(capacity, EMPTY, dtype=np.int64)
+        self.where: dict[int, int] = {}  # physical address -> slot (off the fast path)
+
+
+class HotBuffers:
+    """The device arena of every hot buffer, `[csa layers, requests, capacity, *entry]`,
+    and the counters `Engine.stats()["hisparse"]` reports. `acquire` hands a running
+    request its buffers (None when all `requests` are taken: admission waits). per_page:
+    C4 entries per page (a physical address // per_page is its page)."""
+
+    def __init__(self, layers: Sequence[int], requests: int, capacity: int, per_page: int,
+                 entry_shape: Sequence[int], dtype: torch.dtype, device: Any) -> None:
+        self.layers = list(layers)
+        self.capacity = capacity
+        self.per_page = per_page  # C4 entries per page: a physical address // per_page
+        self.requests = requests
+        self.data = torch.zeros((len(self.layers), requests, capacity, *entry_shape),
+                                dtype=dtype, device=device)
+        self.entry_bytes = self.data[0, 0, 0].numel() * self.data.element_size()
+        self._free = list(range(requests - 1, -1, -1))
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self.hits = dict.fromkeys(self.layers, 0)
+        self.misses = dict.fromkeys(self.layers, 0)
+        self.counts = {"fast_path_lookups": 0, "filled": 0, "staged": 0, "bytes_moved": 0}
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def acquire(self) -> HotSet | None:
+        if not self._free:
+            return None
+        return HotSet(self, self._free.pop())
+
+    def release(self, hot: HotSet) -> None:
+        if hot.slot is None:
+            return
+        self._free.append(hot.slot)
+        hot.slot = None
+
+    def stats(self) -> dict[str, Any]:
+        """hits / misses count lookups off the fast path only; fast-path lookups (history
+        within the buffer) apart, so the hit rate is not inflated. bytes_moved: every
+        entry copied host -> device (misses, fast-path fills, prefill staging)."""
+        hits, misses = sum(self.hits.values()), sum(self.misses.values())
+        per_layer = {layer: {"hits": self.hits[layer], "misses": self.misses[layer],
+                             "hit_rate": _rate(self.hits[layer], self.misses[layer])}
+                     for layer in self.layers}
+        return {"enabled": True, "buffer": self.capacity, "requests": self.requests,
+                "in_use": self.requests - self.free, "device_bytes": self.nbytes,
+                "hits": hits, "misses": misses, "hit_rate": _rate(hits, misses),
+                **self.counts, "per_layer": per_layer}
+
+    def moved(self, kind: str, entries: int) -> None:
+        self.counts[kind] += entries
+        self.counts["bytes_moved"] += entries * self.entry_bytes
+
+
+def _rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+class HotSet:
+    """One running request's hot buffers (the model's C4 reader, model/context.py)."""
+
+    def __init__(self, arena: HotBuffers, slot: int) -> None:
+        self.arena = arena
+        self.slot: int | None = slot
+        self._layers = {layer: _Layer(arena.capacity) for layer in arena.layers}
+        self._tick = 0
+        self._table: np.ndarray | None = None
+
+    def remap(self, table: np.ndarray) -> None:
+        """The request's C4 page table changed: forget entries on pages that moved."""
+        old, self._table = self._table, np.asarray(table).copy()
+        if old is None:
+            return
+        n = min(old.size, self._table.size)
+        moved = np.flatnonzero(old[:n] != self._table[:n])
+        if not moved.size:
+            return
+        for state in self._layers.values():
+            _forget(state, old[moved], int(moved[0]), self.arena.per_page)
+
+    def read(self, layer: int, source: torch.Tensor,
+             address: Callable[[torch.Tensor], torch.Tensor], picked: torch.Tensor,
+             valid: torch.Tensor, count: int) -> torch.Tensor:
+        """The selected C4 entries `[L, k, *entry]` on the device, in `picked`'s order.
+
+        source: the layer's C4 pool `[entries, *entry]` (host-resident); address(ids): the
+        physical address of logical entries `ids`; picked/valid `[L, k]`: the indexer's
+        selection per row (invalid ones are masked by the caller; any finite entry does);
+        count: entries the request has (every id < count)."""
+        assert self.slot is not None, "read after release"
+        device = self.arena.data.device
+        if picked.shape[0] != 1:  # a prefill chunk: one staging gather, no residency
+            addr = address(torch.where(valid, picked, torch.zeros_like(picked)))
+            unique, inverse = torch.unique(addr, return_inverse=True)
+            self.arena.moved("staged", int(unique.numel()))
+            staged = source[unique.to(source.device)].to(device)
+            return staged[inverse.to(device)]
+        state = self._layers[layer]
+        buf = self.arena.data[self.arena._row[layer], self.slot]
+        capacity = self.arena.capacity
+        selected = picked[0][valid[0]].cpu().numpy()
+        self._tick += 1
+        if state.fast and count <= capacity:
+            if count > state.filled:  # entries whose windows closed since the last step
+                new = torch.arange(state.filled, count, device=picked.device)
+                buf[state.filled:count] = source[address(new).to(source.device)].to(device)
+                self.arena.moved("filled", count - state.filled)
+                state.stamps[state.filled:count] = NEVER
+                state.filled = count
+            state.stamps[selected] = self._tick * (capacity + 1)
+            self.arena.counts["fast_path_lookups"] += 1
+            slots = torch.where(valid[0], picked[0], torch.zeros_like(picked[0]))
+            return buf[slots.to(device)][None]
+        if state.fast:  # leaving the fast path: slot w holds entry w, keyed by its address
+            state.fast = False
+            resident = torch.arange(state.filled, device=picked.device)
+            state.keys[:state.filled] = address(resident).cpu().numpy()
+            state.where = {int(k): w for w, k in enumerate(state.keys[:state.filled])}
+        keys = address(picked[0][valid[0]]).cpu().numpy()
+        slots = np.fromiter((state.where.get(int(k), -1) for k in keys), np.int64, keys.size)
+        hit = slots >= 0
+        missing = np.flatnonzero(~hit)
+        # Touch hits in selection order, then misses (sparse.replay's LRU order).
+        order = np.concatenate((np.flatnonzero(hit), missing))
+        stamps = state.stamps.copy()
+        stamps[slots[hit]] = np.iinfo(np.int64).max  # never evict what this step reads
+        victims = np.argsort(stamps, kind="stable")[:missing.size]
+        for slot in victims:
+            old = int(state.keys[slot])
+            if old >= 0:
+                del state.where[old]
+        state.keys[victims] = keys[missing]
+        state.where.update(zip(keys[missing].tolist(), victims.tolist(), strict=True))
+        slots[missing] = victims
+        state.stamps[slots[order]] = self._tick * (capacity + 1) + np.arange(order.size)
+        if missing.size:
+            rows = torch.from_numpy(keys[missing]).to(source.device)
+            buf[torch.from_numpy(victims).to(device)] = source[rows].to(device)
+        self.arena.hits[layer] += int(hit.sum())
+        self.arena.misses[layer] += int(missing.size)
+        self.arena.counts["bytes_moved"] += int(missing.size) * self.arena.entry_bytes
+        full = np.zeros(picked.shape[1], dtype=np.int64)
+        full[valid[0].cpu().numpy()] = slots
+        return buf[torch.from_numpy(full).to(device)][None]
+
+
+def _forget(state: _Layer, pages: np.ndarray, first: int, per_page: int) -> None:
+    """Drop what a buffer holds from `pages` (physical) that left their logical place."""
+    if state.fast:  # slot w holds entry w: refill from the first page that moved
+        state.filled = min(state.filled, first * per_page)
+        return
+    gone = np.isin(state.keys // per_page, pages) & (state.keys >= 0)
+    for slot in np.flatnonzero(gone):
+        del state.where[int(state.keys[slot])]
+    state.keys[gone] = -1
+    state.stamps[gone] = EMPTY
