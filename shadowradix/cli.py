@@ -24,6 +24,10 @@ Bytes per token and pool (page 256; a CHECKPOINT pool is amortised per page):
   DeepSeek-V4-Pro   bf16: swa 62464, c4 7680, c4_index 1920, c128 248, state 1200
   DeepSeek-V4-Pro   fp8:  swa 35624, c4 4380, c4_index 990, c128 141.4, state 2400
 (fp8 is SGLang's record: 584 B per KV entry, 132 B per indexer key, float32 state.)
+
+--hisparse-buffer N adds a table: device bytes of one decoding request at each --context
+with HiSparse off and on (N C4 entries per CSA layer on the device, the C4 history in
+host memory), and how many such requests fit per device GB.
 """
 
 
@@ -62,6 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="run every policy at each device size")
     sim.add_argument("--unbounded", action="store_true", help="infinite device memory")
     sim.add_argument("--limit", type=int, default=None, help="first N requests only")
+    sim.add_argument("--hisparse-buffer", type=int, default=None, metavar="N",
+                     help="also size decoding requests with HiSparse: N C4 entries per request "
+                     "and CSA layer on the device (>= index_topk + 1)")
+    sim.add_argument("--context", default="16384", metavar="T[,T...]",
+                     help="tokens per decoding request for --hisparse-buffer (default 16384)")
+    sim.add_argument("--index-topk", type=int, default=None, metavar="K",
+                     help="the indexer's top-k for --hisparse-buffer (default: the model's: "
+                     "V4-Flash 512, V4-Pro 1024, or config.json's)")
     sim.add_argument("--json", type=Path, default=None)
     sim.add_argument("--plot", type=Path, default=None, help="PNG of hit rate vs device GB")
     _add_trace_commands(sub)
@@ -208,6 +220,7 @@ def _simulate(args: argparse.Namespace) -> int:
         if key != "device-gb" or not values:
             raise ValueError(f"--sweep takes device-gb=G1,G2,...; got {args.sweep!r}")
         sizes = [float(v) for v in values.split(",")]
+    hisparse = _hisparse(args, layout)  # checked before the replays: a bad flag fails fast
     bound = bound_hit_rate(requests, layout.page_size)
     runs: list[dict[str, Any]] = []
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
@@ -227,6 +240,10 @@ def _simulate(args: argparse.Namespace) -> int:
                                      storage_gb=args.storage_gb))
                 progress.remove_task(task)
     _print_runs(console, runs, layout.name, len(requests), bound)
+    if hisparse is not None:
+        _print_hisparse(console, hisparse, layout.name)
+        for r in runs:
+            r["hisparse"] = hisparse
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(runs if len(runs) > 1 else runs[0], indent=2))
@@ -264,6 +281,33 @@ def _print_runs(console: Any, runs: list[dict[str, Any]], layout: str, n: int,
             read = moved["storage->host"] + moved["storage->device"]
             row += [f"{r['cached_by_tier']['storage'] / prompt:.2%}", f"{read / 2**30:.1f}"]
         table.add_row(*row, f"{r['seconds']:.1f}")
+    console.print(table)
+
+
+def _hisparse(args: argparse.Namespace, layout: Any) -> dict[str, Any] | None:
+    if args.hisparse_buffer is None:
+        return None
+    from shadowradix.sim.hisparse import hisparse_rows, index_topk_of, parse_contexts
+
+    topk = args.index_topk if args.index_topk is not None else index_topk_of(args.model)
+    contexts = parse_contexts(args.context)
+    return {"buffer": args.hisparse_buffer, "index_topk": topk, "page_size": layout.page_size,
+            "rows": hisparse_rows(layout, contexts, args.hisparse_buffer, topk)}
+
+
+def _print_hisparse(console: Any, hisparse: dict[str, Any], layout: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{layout}: one decoding request, HiSparse buffer "
+                  f"{hisparse['buffer']:,} (top-k {hisparse['index_topk']:,}); MB = 2^20 B")
+    for col in ("context", "device MB off", "device MB on", "host MB on", "req/GB off",
+                "req/GB on", "ratio"):
+        table.add_column(col, justify="right")
+    for r in hisparse["rows"]:
+        table.add_row(f"{r['context']:,}", f"{r['device_bytes_off'] / 2**20:,.1f}",
+                      f"{r['device_bytes_on'] / 2**20:,.1f}", f"{r['host_bytes_on'] / 2**20:,.1f}",
+                      f"{r['requests_per_gb_off']:,}", f"{r['requests_per_gb_on']:,}",
+                      f"{r['ratio']:.2f}x")
     console.print(table)
 
 
