@@ -243,9 +243,12 @@ class Engine:
         segments = []
         for c in chunks:
             kv = self._page_tables(c.request)
+            decode = c.end - c.start == 1 and c.start >= c.request.prompt_len
+            if isinstance(kv.c4, HotSet):  # decode steps go through the hot buffer
+                kv.c4.decoding = decode
             if self.record_topk:  # a chunk that ends at an output token ends in a decode query
-                decode = c.end == len(c.request.ids) and c.end > c.request.prompt_len
-                kv.topk = c.request.topk if decode else None
+                ends = c.end == len(c.request.ids) and c.end > c.request.prompt_len
+                kv.topk = c.request.topk if ends else None
             if self.host is not None:
                 assert c.request.lease is not None
                 self._wait_for_copies(c.request.lease.ready)

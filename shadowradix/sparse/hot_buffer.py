@@ -7,7 +7,7 @@ the host-resident C4 pool.
     # decode, history >  capacity   each selected entry is a hit (resident) or a miss:
     #                               copied from the host into a slot not selected this
     #                               step, least recently used first
-    # prefill chunk (several rows)  staging: the union of the rows' selections is
+    # prefill chunk (any rows)      staging: the union of the rows' selections is
     #                               gathered from the host once; residency is unchanged
 
 Residency is keyed by the entry's physical address in the C4 pool (page, entry), not by
@@ -117,6 +117,7 @@ class HotSet:
         self._layers = {layer: _Layer(arena.capacity) for layer in arena.layers}
         self._tick = 0
         self._table: np.ndarray | None = None
+        self.decoding = False  # set per chunk: a decode step (one output token fed back)
 
     def remap(self, table: np.ndarray) -> None:
         """The request's C4 page table changed: forget entries on pages that moved."""
@@ -141,7 +142,7 @@ class HotSet:
         count: entries the request has (every id < count)."""
         assert self.slot is not None, "read after release"
         device = self.arena.data.device
-        if picked.shape[0] != 1:  # a prefill chunk: one staging gather, no residency
+        if not self.decoding or picked.shape[0] != 1:  # prefill: one staging gather
             addr = address(torch.where(valid, picked, torch.zeros_like(picked)))
             unique, inverse = torch.unique(addr, return_inverse=True)
             self.arena.moved("staged", int(unique.numel()))
@@ -149,51 +150,64 @@ class HotSet:
             return staged[inverse.to(device)]
         state = self._layers[layer]
         buf = self.arena.data[self.arena._row[layer], self.slot]
-        capacity = self.arena.capacity
-        selected = picked[0][valid[0]].cpu().numpy()
         self._tick += 1
-        if state.fast and count <= capacity:
-            if count > state.filled:  # entries whose windows closed since the last step
-                new = torch.arange(state.filled, count, device=picked.device)
-                buf[state.filled:count] = source[address(new).to(source.device)].to(device)
-                self.arena.moved("filled", count - state.filled)
-                state.stamps[state.filled:count] = NEVER
-                state.filled = count
-            state.stamps[selected] = self._tick * (capacity + 1)
+        if state.fast and count <= self.arena.capacity:
+            self._fill(state, buf, source, address, count, picked.device)
+            state.stamps[picked[0][valid[0]].cpu().numpy()] = self._tick * (
+                self.arena.capacity + 1)
             self.arena.counts["fast_path_lookups"] += 1
-            slots = torch.where(valid[0], picked[0], torch.zeros_like(picked[0]))
-            return buf[slots.to(device)][None]
+            where = torch.where(valid[0], picked[0], torch.zeros_like(picked[0]))
+            return buf[where.to(device)][None]
         if state.fast:  # leaving the fast path: slot w holds entry w, keyed by its address
             state.fast = False
             resident = torch.arange(state.filled, device=picked.device)
             state.keys[:state.filled] = address(resident).cpu().numpy()
             state.where = {int(k): w for w, k in enumerate(state.keys[:state.filled])}
         keys = address(picked[0][valid[0]]).cpu().numpy()
+        slots, missing = self._place(layer, state, keys)
+        if missing.size:  # one batched copy of this step's misses
+            rows = torch.from_numpy(keys[missing]).to(source.device)
+            buf[torch.from_numpy(slots[missing]).to(device)] = source[rows].to(device)
+        every = np.zeros(picked.shape[1], dtype=np.int64)
+        every[valid[0].cpu().numpy()] = slots
+        return buf[torch.from_numpy(every).to(device)][None]
+
+    def _fill(self, state: _Layer, buf: torch.Tensor, source: torch.Tensor,
+              address: Callable[[torch.Tensor], torch.Tensor], count: int,
+              device: torch.device) -> None:
+        """Fast path: copy in the entries whose windows closed since the last step."""
+        if count <= state.filled:
+            return
+        new = torch.arange(state.filled, count, device=device)
+        buf[state.filled:count] = source[address(new).to(source.device)].to(buf.device)
+        self.arena.moved("filled", count - state.filled)
+        state.stamps[state.filled:count] = NEVER
+        state.filled = count
+
+    def _place(self, layer: int, state: _Layer, keys: np.ndarray) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+        """The slot of each selected key, misses given the least recently used slots
+        this step does not read. Returns (slots, indices of the misses in `keys`)."""
+        capacity = self.arena.capacity
         slots = np.fromiter((state.where.get(int(k), -1) for k in keys), np.int64, keys.size)
         hit = slots >= 0
         missing = np.flatnonzero(~hit)
-        # Touch hits in selection order, then misses (sparse.replay's LRU order).
-        order = np.concatenate((np.flatnonzero(hit), missing))
         stamps = state.stamps.copy()
         stamps[slots[hit]] = np.iinfo(np.int64).max  # never evict what this step reads
         victims = np.argsort(stamps, kind="stable")[:missing.size]
-        for slot in victims:
-            old = int(state.keys[slot])
+        for old in state.keys[victims].tolist():
             if old >= 0:
                 del state.where[old]
         state.keys[victims] = keys[missing]
         state.where.update(zip(keys[missing].tolist(), victims.tolist(), strict=True))
         slots[missing] = victims
+        # Touch hits in selection order, then misses (sparse.replay's LRU order).
+        order = np.concatenate((np.flatnonzero(hit), missing))
         state.stamps[slots[order]] = self._tick * (capacity + 1) + np.arange(order.size)
-        if missing.size:
-            rows = torch.from_numpy(keys[missing]).to(source.device)
-            buf[torch.from_numpy(victims).to(device)] = source[rows].to(device)
         self.arena.hits[layer] += int(hit.sum())
         self.arena.misses[layer] += int(missing.size)
         self.arena.counts["bytes_moved"] += int(missing.size) * self.arena.entry_bytes
-        full = np.zeros(picked.shape[1], dtype=np.int64)
-        full[valid[0].cpu().numpy()] = slots
-        return buf[torch.from_numpy(full).to(device)][None]
+        return slots, missing
 
 
 def _forget(state: _Layer, pages: np.ndarray, first: int, per_page: int) -> None:
