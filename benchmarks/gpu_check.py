@@ -15,6 +15,10 @@
 4. The server on the device: `shadowradix serve --model tiny --device DEV` (uvicorn on
    127.0.0.1), four concurrent greedy `/generate` requests against transformers' greedy
    tokens on the same device, and the metrics it exports.
+5. HiSparse on the device: the C4 pool in pinned host memory, hot buffers on the device;
+   a mixed batch with a second turn served from the host tier (after a device flush) and
+   from storage, against HiSparse off on the same device and against transformers; the
+   hit rate and bytes moved, and decode step time on / off.
 """
 
 from __future__ import annotations
@@ -132,6 +136,53 @@ def served(device: torch.device) -> dict:
         server.stop()
 
 
+def hisparse(device: torch.device, workdir: Path) -> dict:
+    model = tiny_model().to(device)
+    prompts = [rand_tokens(n, 700 + n) for n in (20, 90, 150, 233)]
+    p = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    runs, out = {}, {}
+    for mode, buffer in (("off", None), ("on", 9)):
+        cfg = CacheConfig(page_size=16, device_tokens=2048, host_tokens=4096,
+                          storage=f"file://{workdir / ('hisparse-' + mode)}",
+                          hisparse_buffer=buffer, hisparse_requests=8 if buffer else None)
+        eng = Engine.from_hf(model, cfg)
+        if buffer is not None:
+            out["c4_pinned"] = bool(eng.store.flat("c4", 1).is_pinned())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        first = eng.generate(prompts, p, return_logits=True)
+        turn2 = [t + r.output_ids + rand_tokens(5, 800 + i)
+                 for i, (t, r) in enumerate(zip(prompts, first, strict=True))]
+        eng.cache.flush(tiers=("device",))
+        second = eng.generate(turn2, p, return_logits=True)
+        st = eng.stats()
+        eng.close()
+        fresh = Engine.from_hf(model, cfg)
+        third = fresh.generate(turn2, p, return_logits=True)
+        fresh.close()
+        runs[mode] = (first + second + third, st)
+    results_off, _ = runs["off"]
+    results_on, st = runs["on"]
+    seqs = prompts + turn2 + turn2
+    ref_diff = 0.0
+    for t, r in zip(seqs, results_on, strict=True):
+        n = len(r.output_ids)
+        ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
+        ref_diff = max(ref_diff, (ref.cpu() - r.logits).abs().max().item())
+    hs = st["hisparse"]
+    seconds = {m: runs[m][1]["forward_seconds"] / max(runs[m][1]["steps"], 1) for m in runs}
+    return {**out,
+            "tokens_identical": all(a.output_ids == b.output_ids
+                                    for a, b in zip(results_off, results_on, strict=True)),
+            "max_diff_vs_off": max((a.logits - b.logits).abs().max().item()
+                                   for a, b in zip(results_off, results_on, strict=True)),
+            "max_logit_diff": ref_diff, "hit_rate": hs["hit_rate"], "misses": hs["misses"],
+            "bytes_moved": hs["bytes_moved"],
+            "tiers_second_turn": [r.cached_by_tier for r in runs["on"][0][4:8]],
+            "tiers_fresh_engine": [r.cached_by_tier for r in runs["on"][0][8:]],
+            "forward_ms_per_step": {m: v * 1e3 for m, v in seconds.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
@@ -144,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
                   "exactness": exactness(device, Path(tmp)),
                   "online": online(device),
                   "served": served(device),
+                  "hisparse": hisparse(device, Path(tmp)),
                   "loadback": loadback_ratio(str(device))}
     ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
     ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
                     for v in result["online"].values())
     ok = ok and result["served"]["greedy_identical"] == result["served"]["requests"]
+    hs = result["hisparse"]
+    ok = ok and hs["tokens_identical"] and hs["max_diff_vs_off"] <= 1e-6 and (
+        hs["max_logit_diff"] <= 1e-4) and hs["c4_pinned"] == (device.type == "cuda")
     result["ok"] = ok
     print(f"device {device}")
     for key, v in result["exactness"].items():
@@ -160,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     sv = result["served"]
     print(f"  served                     {sv['greedy_identical']}/{sv['requests']} greedy "
           f"answers identical to transformers; {sv['generation_tokens']:.0f} tokens generated")
+    ms = hs["forward_ms_per_step"]
+    print(f"  hisparse                   max |diff| vs off {hs['max_diff_vs_off']:.1e}, vs "
+          f"transformers {hs['max_logit_diff']:.1e}; hit rate {hs['hit_rate']:.2f}, "
+          f"{hs['bytes_moved']:,} B moved; forward {ms['on']:.1f} vs {ms['off']:.1f} ms/step; "
+          f"C4 pool pinned: {hs['c4_pinned']}")
     lb = result["loadback"]
     for case in ("consecutive", "scattered"):
         print(f"  load-back {case:11} {lb[case]['ratio']:.2f}x raw ({lb[case]['GBps']:.1f} vs "
