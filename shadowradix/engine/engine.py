@@ -364,7 +364,8 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """A cheap snapshot for a server's metrics, taken between steps on the engine's
         thread (unlike stats(), no tree walk): queue lengths, pages in use per tier and
-        pool, preemptions, storage errors, and bytes moved by direction."""
+        pool, preemptions, storage errors, bytes moved by direction, and HiSparse's
+        lookups (None when it is off)."""
         pages = {"device": {n: p.used_pages for n, p in self._prefix.pools.items()}}
         if self._prefix.has_host:
             pages["host"] = {n: p.used_pages for n, p in self._prefix.host_pools.items()}
@@ -380,6 +381,7 @@ class Engine:
                              "storage": store.bytes_read if store is not None else 0},
             "backup_bytes": {"host": host.get("device->host", 0),
                              "storage": store.bytes_written if store is not None else 0},
+            "hisparse": self.hot.totals() if self.hot is not None else None,
         }
 
     def max_sequence_len(self) -> int:

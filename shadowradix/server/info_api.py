@@ -76,6 +76,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
             "window_tokens": c.window_tokens, "host_tokens": c.host_tokens,
             "hicache_write_policy": c.write_policy, "storage": _redact(c.storage),
             "disable_radix_cache": not c.prefix_reuse,
+            "hisparse_buffer": c.hisparse_buffer,
+            "hisparse_requests": engine.hot.requests if engine.hot is not None else None,
             "chunked_prefill_size": engine.scheduler.step_tokens,
             "kv_pools": [p.name for p in engine.layout.pools], "device": str(engine.device)}
 

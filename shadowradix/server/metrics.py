@@ -54,6 +54,15 @@ class ServerMetrics:
                                     "source tier.", "source")
         self.backup_bytes = counter("backup_bytes", "Bytes backed up from the device, by "
                                     "target tier.", "target")
+        self.hisparse_lookups = counter("hisparse_lookups", "HiSparse: C4 entries decode "
+                                        "steps read, by result (hit / miss in the hot "
+                                        "buffer; fast_path: a layer-step whose history fits "
+                                        "it).", "result")
+        self.hisparse_bytes = counter("hisparse_bytes", "HiSparse: bytes copied host -> "
+                                      "device into hot buffers (misses, fills, prefill "
+                                      "staging).")
+        self.hisparse_in_use = gauge("hisparse_buffers_in_use", "HiSparse: sets of hot "
+                                     "buffers held by running requests.")
         self.running = gauge("num_requests_running", "Requests running on the engine.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
         self.pages_used = gauge("pages_used", "Pages in use (cached or held by requests), by "
@@ -98,6 +107,13 @@ class ServerMetrics:
             self._advance(self.loaded_bytes.labels(m, tier), f"loaded:{tier}", n)
         for tier, n in status["backup_bytes"].items():
             self._advance(self.backup_bytes.labels(m, tier), f"backup:{tier}", n)
+        hs = status.get("hisparse")
+        if hs is not None:
+            for result, key in (("hit", "hits"), ("miss", "misses"),
+                                ("fast_path", "fast_path_lookups")):
+                self._advance(self.hisparse_lookups.labels(m, result), f"hs:{key}", hs[key])
+            self._advance(self.hisparse_bytes.labels(m), "hs:bytes", hs["bytes_moved"])
+            self.hisparse_in_use.labels(m).set(hs["in_use"])
 
     def _advance(self, counter: Any, key: str, total: float) -> None:
         delta = total - self._last.get(key, 0)

@@ -38,6 +38,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-policy", default="write_through",
                     help="write_through | write_through_selective | write_back")
     ap.add_argument("--storage", default=None, help="L3: file:///DIR or redis://HOST:PORT/DB")
+    ap.add_argument("--hisparse-buffer", type=int, default=None, metavar="N",
+                    help="HiSparse: N C4 entries per request and CSA layer stay on the device "
+                    "(>= index_topk + 1); the C4 history lives in host memory")
+    ap.add_argument("--hisparse-requests", type=int, default=None, metavar="R",
+                    help="HiSparse: sets of hot buffers on the device, the most requests "
+                    "running at once (default: what the device C4 pool's bytes would hold)")
     ap.add_argument("--disable-prefix-cache", action="store_true",
                     help="every request computes its whole prompt (a baseline to compare with)")
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY "
@@ -70,7 +76,9 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     config = CacheConfig(page_size=page, device_tokens=args.device_tokens or 2048 * page,
                          window_tokens=args.window_tokens, host_tokens=args.host_tokens,
                          write_policy=args.write_policy, storage=args.storage,
-                         prefix_reuse=not args.disable_prefix_cache)
+                         prefix_reuse=not args.disable_prefix_cache,
+                         hisparse_buffer=args.hisparse_buffer,
+                         hisparse_requests=args.hisparse_requests)
     name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)
     metrics = ServerMetrics(name)
     runtime = Runtime(loop=None, metrics=metrics, model_name=name,  # type: ignore[arg-type]

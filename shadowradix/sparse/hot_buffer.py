@@ -99,6 +99,12 @@ class HotBuffers:
                 "hits": hits, "misses": misses, "hit_rate": _rate(hits, misses),
                 **self.counts, "per_layer": per_layer}
 
+    def totals(self) -> dict[str, int]:
+        """The running totals, cheaply (for gauges and counters between steps)."""
+        return {"hits": sum(self.hits.values()), "misses": sum(self.misses.values()),
+                "fast_path_lookups": self.counts["fast_path_lookups"],
+                "bytes_moved": self.counts["bytes_moved"], "in_use": self.requests - self.free}
+
     def moved(self, kind: str, entries: int) -> None:
         self.counts[kind] += entries
         self.counts["bytes_moved"] += entries * self.entry_bytes
