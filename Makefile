@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/python benchmarks/serve.py --json out/serve.json
 	$(BIN)/python benchmarks/fleet.py --json out/fleet.json
 	$(BIN)/python benchmarks/hisparse_replay.py --json out/hisparse_replay.json
+	$(BIN)/python benchmarks/hisparse.py --json out/hisparse.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
