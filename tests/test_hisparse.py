@@ -192,3 +192,20 @@ def test_the_c4_pool_lives_in_host_memory_and_the_device_holds_the_buffers(model
     c4 = default.layout.pool("c4")
     assert default.hot.requests == 2048 // 4 // 8
     assert default.hot.nbytes == 2048 // 4 * c4.entry_bytes * c4.layers
+
+
+def test_one_batched_copy_per_layer_per_step_for_every_decoding_request(model, monkeypatch):
+    from shadowradix.sparse import hot_buffer
+
+    eng = engine(model, TOPK + 1)
+    for n in (60, 70, 80):
+        eng.add_request(rand_tokens(n, n), P)
+    while any(not r.decoding for r in eng.scheduler.running) or len(eng.scheduler.running) < 3:
+        eng.step()
+    copies = []
+    real = hot_buffer._rows
+    monkeypatch.setattr(hot_buffer, "_rows", lambda *a: copies.append(a[1].size) or real(*a))
+    before = eng.stats()["hisparse"]["misses"]
+    eng.step()  # three requests decode
+    misses = eng.stats()["hisparse"]["misses"] - before
+    assert len(copies) == 2 and sum(copies) == misses > 0  # one per CSA layer

@@ -46,7 +46,7 @@ class Pool:
 def read(hot, pool: Pool, selected: list[int], count: int, top_k: int) -> torch.Tensor:
     picked = torch.tensor(selected + [0] * (top_k - len(selected)))[None]
     valid = torch.arange(top_k)[None] < len(selected)
-    out = hot.read(LAYER, pool.data, pool.address, picked, valid, count)
+    out, = hot.fetch(LAYER, pool.data, [hot.plan(LAYER, pool.address, picked, valid, count)])
     assert out.shape == (1, top_k, 2)
     want = pool.data[pool.address(torch.tensor(selected, dtype=torch.long))]
     assert torch.equal(out[0, :len(selected)], want), "a read returned another entry's data"
@@ -89,7 +89,7 @@ def test_prefill_chunks_stage_the_union_once_and_leave_residency_alone():
     hot, pool = arena.acquire(), Pool()
     picked = torch.tensor([[0, 5, 9], [5, 9, 2], [9, 0, 0]])
     valid = torch.tensor([[True] * 3, [True] * 3, [True, False, False]])
-    out = hot.read(LAYER, pool.data, pool.address, picked, valid, 12)
+    out, = hot.fetch(LAYER, pool.data, [hot.plan(LAYER, pool.address, picked, valid, 12)])
     assert torch.equal(out[valid], pool.data[pool.address(picked[valid])])
     assert arena.counts["staged"] == 4 and arena.hits[LAYER] == arena.misses[LAYER] == 0
     assert arena.counts["bytes_moved"] == 4 * 2 * 4

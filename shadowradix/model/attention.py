@@ -13,6 +13,8 @@ are stored and found:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,68 +27,126 @@ CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 NEG_INF = float("-inf")
 
 
-def paged_attention(attn: Any, hidden: torch.Tensor, positions: torch.Tensor,
-                    rope: tuple[torch.Tensor, torch.Tensor], store: PagedStorage,
-                    req: RequestKV) -> torch.Tensor:
-    """hidden [L, hidden] at `positions` (consecutive) -> attention output [L, hidden]."""
+@dataclass
+class _Keys:
+    """What one request's queries attend to in one layer: key blocks, each with its mask
+    `[L, K]` and values `[K, hd]` shared by every row or `[L, K, hd]` per row."""
+
+    blocks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    c4: _Selection | None = None  # CSA: the C4 entries still to fetch
+
+
+@dataclass
+class _Selection:
+    """The indexer's top-k per query `[L, k]`, the request's entry count, and the physical
+    address of any of its logical C4 entries."""
+
+    picked: torch.Tensor
+    valid: torch.Tensor
+    count: int
+    address: Callable[[torch.Tensor], torch.Tensor]
+
+
+def attention_layer(attn: Any, hidden: torch.Tensor, positions: torch.Tensor,
+                    bounds: Sequence[tuple[int, int]], rope: tuple[torch.Tensor, torch.Tensor],
+                    store: PagedStorage, requests: Sequence[RequestKV]) -> torch.Tensor:
+    """One attention layer for every request of a step: hidden [T, hidden] at `positions`,
+    request i owning rows bounds[i] (consecutive positions) -> output [T, hidden].
+
+    Per-token projections run once over all T rows; keys are written and gathered per
+    request over its own page tables; the step's C4 reads are fetched together (with
+    HiSparse, one batched host -> device copy per layer)."""
     layer, kind = attn.layer_idx, attn.layer_type
     cfg = attn.config
     n_heads, hd = attn.num_heads, attn.head_dim
     cos, sin = rope
-    L = hidden.shape[0]
-    start, end = int(positions[0]), int(positions[-1]) + 1
+    T = hidden.shape[0]
 
     q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
-    q = attn.q_b_norm(attn.q_b_proj(q_residual).view(1, L, n_heads, hd).transpose(1, 2))
-    q = apply_rotary_pos_emb(q, cos, sin)[0]  # [H, L, hd]
-    kv = attn.kv_norm(attn.kv_proj(hidden)).view(1, L, 1, hd).transpose(1, 2)
-    kv = apply_rotary_pos_emb(kv, cos, sin)[0, 0]  # [L, hd]
+    q = attn.q_b_norm(attn.q_b_proj(q_residual).view(1, T, n_heads, hd).transpose(1, 2))
+    q = apply_rotary_pos_emb(q, cos, sin)[0]  # [H, T, hd]
+    kv = attn.kv_norm(attn.kv_proj(hidden)).view(1, T, 1, hd).transpose(1, 2)
+    kv = apply_rotary_pos_emb(kv, cos, sin)[0, 0]  # [T, hd]
 
-    # Sliding window: write this chunk, read back [start - W + 1, end).
-    swa = store.flat("swa", layer)
+    keys = []
+    for (a, b), req in zip(bounds, requests, strict=True):
+        k = _Keys([_window(attn, kv[a:b], positions[a:b], store, req)])
+        if kind == CSA:
+            k.c4 = _csa(attn.compressor, hidden[a:b], q_residual[a:b], positions[a:b], store,
+                        req, layer)
+        elif kind == HCA:
+            k.blocks.append(_hca(attn.compressor, hidden[a:b], positions[a:b], store, req,
+                                 layer))
+        keys.append(k)
+    if kind == CSA:
+        _fetch_c4(store, layer, requests, keys)
+    out = torch.cat([_attend(attn, q[:, a:b], k) for (a, b), k in zip(bounds, keys,
+                                                                       strict=True)])
+    # K = V carried RoPE into the output's rope slice: rotate it back at the query position.
+    out = apply_rotary_pos_emb(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)
+    grouped = out.reshape(1, T, cfg.o_groups, -1)
+    return attn.o_b_proj(attn.o_a_proj(grouped).flatten(2))[0]
+
+
+def _window(attn: Any, kv: torch.Tensor, positions: torch.Tensor, store: PagedStorage,
+            req: RequestKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding window: write this chunk, read back [start - W + 1, end)."""
+    swa = store.flat("swa", attn.layer_idx)
     table = req.page_tables["swa"]
     swa[store.address("swa", table, positions)] = kv
     window = attn.sliding_window
-    kpos = torch.arange(max(start - window + 1, 0), end, device=hidden.device)
-    keys = swa[store.address("swa", table, kpos)]
-    logits = [torch.einsum("hld,kd->hlk", q, keys)]
+    start, end = int(positions[0]), int(positions[-1]) + 1
+    kpos = torch.arange(max(start - window + 1, 0), end, device=kv.device)
     visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] > positions[:, None] - window)
-    masks = [visible]
-    values = [keys.expand(L, -1, -1)]
+    return visible, swa[store.address("swa", table, kpos)]
 
-    if kind == CSA:
-        entries, selected = _csa(attn.compressor, hidden, q_residual, positions, store, req,
-                                 layer)
-        logits.append(torch.einsum("hld,lkd->hlk", q, entries))
-        masks.append(selected)
-        values.append(entries)
-    elif kind == HCA:
-        entries = _hca(attn.compressor, hidden, positions, store, req, layer)
-        logits.append(torch.einsum("hld,kd->hlk", q, entries))
-        ratio = attn.compressor.compress_rate
-        visible = torch.arange(entries.shape[0], device=hidden.device)[None, :] < (
-            (positions[:, None] + 1) // ratio)
-        masks.append(visible)
-        values.append(entries.expand(L, -1, -1))
 
-    # transformers' eager attention, dtype for dtype: scores in the KV dtype, the softmax
-    # in float32 beside the float32 sinks, probabilities back in the KV dtype for the
-    # weighted sum (the float32 model is unchanged by these casts).
+def _attend(attn: Any, q: torch.Tensor, keys: _Keys) -> torch.Tensor:
+    """q [H, L, hd] over the request's key blocks -> [L, H, hd].
+
+    transformers' eager attention, dtype for dtype: scores in the KV dtype, the softmax in
+    float32 beside the float32 sinks, probabilities back in the KV dtype for the weighted
+    sum (the float32 model is unchanged by these casts)."""
+    L = q.shape[1]
+    logits, values = [], []
+    for _, block in keys.blocks:
+        per_row = block.dim() == 3
+        logits.append(torch.einsum("hld,lkd->hlk" if per_row else "hld,kd->hlk", q, block))
+        values.append(block if per_row else block.expand(L, -1, -1))
     scores = torch.cat([lg * attn.scaling for lg in logits], dim=-1)
-    mask = torch.cat(masks, dim=-1)
+    mask = torch.cat([m for m, _ in keys.blocks], dim=-1)
     scores = scores.masked_fill(~mask[None], NEG_INF)
-    sinks = attn.sinks.view(n_heads, 1, 1).expand(-1, L, 1)
+    sinks = attn.sinks.view(attn.num_heads, 1, 1).expand(-1, L, 1)
     softmax_dtype = torch.promote_types(scores.dtype, sinks.dtype)
     combined = torch.cat([scores.to(softmax_dtype), sinks.to(softmax_dtype)], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = combined.softmax(dim=-1)[..., :-1]
     kv_values = torch.cat(values, dim=1)
-    out = torch.einsum("hlk,lkd->lhd", probs.to(kv_values.dtype), kv_values)  # [L, H, hd]
+    return torch.einsum("hlk,lkd->lhd", probs.to(kv_values.dtype), kv_values)
 
-    # K = V carried RoPE into the output's rope slice: rotate it back at the query position.
-    out = apply_rotary_pos_emb(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)
-    grouped = out.reshape(1, L, cfg.o_groups, -1)
-    return attn.o_b_proj(attn.o_a_proj(grouped).flatten(2))[0]
+
+def _fetch_c4(store: PagedStorage, layer: int, requests: Sequence[RequestKV],
+              keys: list[_Keys]) -> None:
+    """Read every request's selected C4 entries: straight from the pool, or through the
+    requests' C4 readers (HiSparse), whose plans are served in one fetch."""
+    flat = store.flat("c4", layer)
+    plans, planned = [], []
+    for req, k in zip(requests, keys, strict=True):
+        sel = k.c4
+        assert sel is not None
+        if sel.count == 0:
+            k.blocks.append((sel.valid, flat.new_zeros((*sel.picked.shape, flat.shape[-1]))))
+        elif req.c4 is not None:
+            plans.append(req.c4.plan(layer, sel.address, sel.picked, sel.valid, sel.count))
+            planned.append(k)
+        else:  # a real sparse gather: only the k selected entries per query are read
+            safe = torch.where(sel.valid, sel.picked, torch.zeros_like(sel.picked))
+            k.blocks.append((sel.valid, flat[sel.address(safe)]))
+    if plans:
+        reader = next(r.c4 for r in requests if r.c4 is not None)
+        for k, entries in zip(planned, reader.fetch(layer, flat, plans), strict=True):
+            assert k.c4 is not None
+            k.blocks.append((k.c4.valid, entries))
 
 
 def _state(req: RequestKV, layer: int, series: str, module: Any,
@@ -121,17 +181,20 @@ def _emit(module: Any, series: str, pool: str, hidden: torch.Tensor,
 
 
 def _hca(comp: Any, hidden: torch.Tensor, positions: torch.Tensor,
-         store: PagedStorage, req: RequestKV, layer: int) -> torch.Tensor:
+         store: PagedStorage, req: RequestKV, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every C128 entry so far, and which each query sees: (mask [L, C], entries [C, hd])."""
     entries, _, _, _ = _emit(comp, "compressor", "c128", hidden, positions, store, req, layer,
                              overlap=False)
     assert entries is not None
-    return entries
+    visible = torch.arange(entries.shape[0], device=hidden.device)[None, :] < (
+        (positions[:, None] + 1) // comp.compress_rate)
+    return visible, entries
 
 
 def _csa(comp: Any, hidden: torch.Tensor, q_residual: torch.Tensor,
          positions: torch.Tensor, store: PagedStorage, req: RequestKV,
-         layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """C4 entries selected per query by the indexer: ([L, k, hd], valid mask [L, k])."""
+         layer: int) -> _Selection:
+    """Write the chunk's C4 entries and indexer keys; the indexer's top-k per query."""
     ratio = comp.compress_rate
     _, w0, _, c4_overlaps = _emit(comp, "compressor", "c4", hidden, positions, store, req,
                                   layer, overlap=True, read_all=False)
@@ -140,35 +203,30 @@ def _csa(comp: Any, hidden: torch.Tensor, q_residual: torch.Tensor,
                                      req, layer, overlap=True)
     assert keys is not None
     _snapshot(store, req, layer, w0, ratio, c4_overlaps, idx_overlaps)
+    table = req.page_tables["c4"]
+
+    def address(ids: torch.Tensor) -> torch.Tensor:
+        return store.address("c4", table, ids * ratio)
 
     L = hidden.shape[0]
-    cos, sin = index.rotary_emb(hidden, position_ids=positions[None], layer_type="compress")
-    q = index.q_b_proj(q_residual).view(1, L, -1, index.head_dim).transpose(1, 2)
-    q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)  # [1, L, H_i, d_i]
     count = keys.shape[0]
-    top_k = min(index.index_topk, count)
-    threshold = (positions + 1) // ratio  # query t sees entry w only when w < threshold
     if count == 0:
         if req.topk is not None:
             req.topk.setdefault(layer, []).append((positions.new_zeros(0), 0))
-        return hidden.new_zeros((L, 0, comp.head_dim)), torch.zeros(
-            (L, 0), dtype=torch.bool, device=hidden.device)
+        none = positions.new_zeros((L, 0))
+        return _Selection(none, none.bool(), 0, address)
+    cos, sin = index.rotary_emb(hidden, position_ids=positions[None], layer_type="compress")
+    q = index.q_b_proj(q_residual).view(1, L, -1, index.head_dim).transpose(1, 2)
+    q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)  # [1, L, H_i, d_i]
+    threshold = (positions + 1) // ratio  # query t sees entry w only when w < threshold
     scores = index.scorer(q, keys[None], hidden[None])[0]  # [L, count]
     future = torch.arange(count, device=hidden.device)[None, :] >= threshold[:, None]
+    top_k = min(index.index_topk, count)
     picked = scores.masked_fill(future, NEG_INF).topk(top_k, dim=-1).indices  # [L, k]
     valid = picked < threshold[:, None]
     if req.topk is not None:  # the last row sees every entry so far: count is its threshold
         req.topk.setdefault(layer, []).append((picked[-1][valid[-1]], count))
-    # A real sparse gather: only the k selected C4 entries per query are read.
-    table = req.page_tables["c4"]
-    flat = store.flat("c4", layer)
-    if req.c4 is not None:  # HiSparse: from the request's hot buffer
-        def address(ids: torch.Tensor) -> torch.Tensor:
-            return store.address("c4", table, ids * ratio)
-
-        return req.c4.read(layer, flat, address, picked, valid, count), valid
-    safe = torch.where(valid, picked, torch.zeros_like(picked))
-    return flat[store.address("c4", table, safe * ratio)], valid
+    return _Selection(picked, valid, count, address)
 
 
 def _snapshot(store: PagedStorage, req: RequestKV, layer: int, w0: int, ratio: int,

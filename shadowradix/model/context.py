@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,13 +33,18 @@ class CompressorState:
 
 class C4Reader(Protocol):
     """Where a request's selected C4 entries come from when the C4 pool is not on the
-    device (HiSparse: sparse/hot_buffer.py). The model hands it the layer's C4 pool, the
-    address of any logical entry, the selection `[L, k]` with its valid mask, and the
-    request's entry count; it returns the entries `[L, k, *entry]` on the device."""
+    device (HiSparse: sparse/hot_buffer.py). Two phases per layer and step, so that every
+    request's copies move together: `plan` takes one request's selection `[L, k]` (with
+    its valid mask, its entry count and the address of any logical entry) and decides
+    what must be copied; `fetch`, called on any one reader of the step, does the copies
+    for every plan at once and returns each request's entries `[L, k, *entry]` on the
+    device, in `picked`'s order."""
 
-    def read(self, layer: int, source: torch.Tensor,
-             address: Callable[[torch.Tensor], torch.Tensor], picked: torch.Tensor,
-             valid: torch.Tensor, count: int) -> torch.Tensor: ...
+    def plan(self, layer: int, address: Callable[[torch.Tensor], torch.Tensor],
+             picked: torch.Tensor, valid: torch.Tensor, count: int) -> Any: ...
+
+    def fetch(self, layer: int, source: torch.Tensor, plans: list[Any]) -> list[torch.Tensor]:
+        ...
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A DeepSeek-V4 forward that reads and writes the pools, one request chunk at a time.
 
 Embedding, mHC, MoE, norms and the head are transformers' own modules and
-weights; only attention goes through `paged_attention`.
+weights; only attention goes through `attention_layer`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shadowradix.model.attention import paged_attention, resume_states
+from shadowradix.model.attention import attention_layer, resume_states
 from shadowradix.model.context import PagedStorage, RequestKV
 
 
@@ -43,8 +43,9 @@ class DeepseekV4Runner:
                       store: PagedStorage) -> list[torch.Tensor]:
         """One step over several requests' chunks (prefill chunks and decode tokens).
 
-        Every per-token module (embedding, mHC, MoE, norms, head) runs once over all
-        tokens of the step; attention runs per request over its own page tables.
+        Every per-token module (embedding, mHC, MoE, norms, head, attention's projections)
+        runs once over all tokens of the step; attention reads and writes keys per request
+        over its own page tables.
         Returns each segment's logits [L_i, vocab].
         """
         model = self.hf.model
@@ -54,6 +55,8 @@ class DeepseekV4Runner:
         bounds = [0]
         for seg, _, _ in segments:
             bounds.append(bounds[-1] + seg.shape[0])
+        spans = list(pairwise(bounds))
+        requests = [req for _, _, req in segments]
         embeds = model.embed_tokens(ids[None])
         hidden = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         rope = {kind: model.rotary_emb(embeds, position_ids=positions[None], layer_type=kind)
@@ -63,11 +66,8 @@ class DeepseekV4Runner:
             dtype = hidden.dtype
             post, comb, collapsed = layer.attn_hc(hidden)
             normed = layer.input_layernorm(collapsed)[0]
-            cos, sin = rope[attn.rope_layer_type]
-            out = torch.cat([
-                paged_attention(attn, normed[a:b], positions[a:b],
-                                (cos[:, a:b], sin[:, a:b]), store, req)
-                for (a, b), (_, _, req) in zip(pairwise(bounds), segments, strict=True)])
+            out = attention_layer(attn, normed, positions, spans, rope[attn.rope_layer_type],
+                                  store, requests)
             hidden = post.to(dtype).unsqueeze(-1) * out[None].unsqueeze(-2) + torch.matmul(
                 comb.to(dtype).transpose(-1, -2), hidden)
             post, comb, collapsed = layer.ffn_hc(hidden)

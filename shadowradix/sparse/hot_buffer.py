@@ -10,6 +10,10 @@ the host-resident C4 pool.
     # prefill chunk (any rows)      staging: the union of the rows' selections is
     #                               gathered from the host once; residency is unchanged
 
+Each layer and step runs in two phases (model/context.py's C4Reader): `plan` does one
+request's bookkeeping and lists its copies; `fetch` serves every request's plan with one
+host -> device copy for the buffers' misses and fills, and one for prefill staging.
+
 Residency is keyed by the entry's physical address in the C4 pool (page, entry), not by
 its position in the request, so copies of pages the tree shares are never confused with
 a request's own; `remap` forgets entries whose page moved when the request's page table
@@ -24,6 +28,7 @@ last selection; within a step hits are touched in selection order, then misses.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +49,19 @@ class _Layer:
         self.keys = np.full(capacity, -1, dtype=np.int64)  # physical address per slot
         self.stamps = np.full(capacity, EMPTY, dtype=np.int64)
         self.where: dict[int, int] = {}  # physical address -> slot (off the fast path)
+
+
+@dataclass
+class _Plan:
+    """One request's reads in one layer and step. Decode: `slots` (its buffer slot per
+    selected row, `[k]`) after copying `src` rows of the pool into slots `dst`. Prefill:
+    `src` are the distinct addresses to stage and `inverse` maps each selection to one."""
+
+    owner: int  # the request's set in the arena
+    src: np.ndarray
+    dst: np.ndarray | None = None  # decode only
+    slots: np.ndarray | None = None  # decode only
+    inverse: torch.Tensor | None = None  # prefill only
 
 
 class HotBuffers:
@@ -99,6 +117,30 @@ class HotBuffers:
                 "hits": hits, "misses": misses, "hit_rate": _rate(hits, misses),
                 **self.counts, "per_layer": per_layer}
 
+    def fetch(self, layer: int, source: torch.Tensor, plans: list[_Plan]) -> list[torch.Tensor]:
+        """Do every plan's copies for `layer`, then read each request's entries."""
+        device = self.data.device
+        buf = self.data[self._row[layer]].flatten(0, 1)  # [requests * capacity, *entry]
+        moves = [(p.owner * self.capacity + p.dst, p.src) for p in plans
+                 if p.dst is not None and p.src.size]
+        if moves:  # the step's misses and fills: one gather on the host, one copy
+            dst = np.concatenate([d for d, _ in moves])
+            src = np.concatenate([r for _, r in moves])
+            buf[torch.from_numpy(dst).to(device)] = _rows(source, src, device)
+        staging = [p for p in plans if p.dst is None]
+        staged = _rows(source, np.concatenate([p.src for p in staging]), device) if (
+            staging) else None
+        out, at = [], 0
+        for p in plans:
+            if p.slots is not None:
+                out.append(buf[torch.from_numpy(p.owner * self.capacity + p.slots)
+                               .to(device)][None])
+            else:
+                assert staged is not None and p.inverse is not None
+                out.append(staged[at:at + p.src.size][p.inverse.to(device)])
+                at += p.src.size
+        return out
+
     def totals(self) -> dict[str, int]:
         """The running totals, cheaply (for gauges and counters between steps)."""
         return {"hits": sum(self.hits.values()), "misses": sum(self.misses.values()),
@@ -137,58 +179,47 @@ class HotSet:
         for state in self._layers.values():
             _forget(state, old[moved], int(moved[0]), self.arena.per_page)
 
-    def read(self, layer: int, source: torch.Tensor,
-             address: Callable[[torch.Tensor], torch.Tensor], picked: torch.Tensor,
-             valid: torch.Tensor, count: int) -> torch.Tensor:
-        """The selected C4 entries `[L, k, *entry]` on the device, in `picked`'s order.
-
-        source: the layer's C4 pool `[entries, *entry]` (host-resident); address(ids): the
-        physical address of logical entries `ids`; picked/valid `[L, k]`: the indexer's
-        selection per row (invalid ones are masked by the caller; any finite entry does);
-        count: entries the request has (every id < count)."""
-        assert self.slot is not None, "read after release"
-        device = self.arena.data.device
-        if not self.decoding or picked.shape[0] != 1:  # prefill: one staging gather
+    def plan(self, layer: int, address: Callable[[torch.Tensor], torch.Tensor],
+             picked: torch.Tensor, valid: torch.Tensor, count: int) -> _Plan:
+        """Decide this request's reads for `layer` (see C4Reader): address(ids) is the
+        physical address of logical entries `ids`; picked/valid `[L, k]` the indexer's
+        selection (invalid ones are masked by the caller: any finite entry does); count
+        the entries the request has (every id < count)."""
+        assert self.slot is not None, "plan after release"
+        if not self.decoding or picked.shape[0] != 1:  # prefill: stage the union once
             addr = address(torch.where(valid, picked, torch.zeros_like(picked)))
             unique, inverse = torch.unique(addr, return_inverse=True)
             self.arena.moved("staged", int(unique.numel()))
-            staged = source[unique.to(source.device)].to(device)
-            return staged[inverse.to(device)]
+            return _Plan(self.slot, unique.cpu().numpy(), inverse=inverse)
         state = self._layers[layer]
-        buf = self.arena.data[self.arena._row[layer], self.slot]
+        capacity = self.arena.capacity
         self._tick += 1
-        if state.fast and count <= self.arena.capacity:
-            self._fill(state, buf, source, address, count, picked.device)
-            state.stamps[picked[0][valid[0]].cpu().numpy()] = self._tick * (
-                self.arena.capacity + 1)
+        selected = picked[0][valid[0]]
+        if state.fast and count <= capacity:  # slot w holds entry w
+            new = np.arange(state.filled, max(count, state.filled))
+            src = address(torch.from_numpy(new).to(picked.device)).cpu().numpy()
+            if new.size:  # entries whose windows closed since the last step
+                self.arena.moved("filled", new.size)
+                state.stamps[state.filled:count] = NEVER
+                state.filled = count
+            state.stamps[selected.cpu().numpy()] = self._tick * (capacity + 1)
             self.arena.counts["fast_path_lookups"] += 1
             where = torch.where(valid[0], picked[0], torch.zeros_like(picked[0]))
-            return buf[where.to(device)][None]
+            return _Plan(self.slot, src, new, where.cpu().numpy())
         if state.fast:  # leaving the fast path: slot w holds entry w, keyed by its address
             state.fast = False
             resident = torch.arange(state.filled, device=picked.device)
             state.keys[:state.filled] = address(resident).cpu().numpy()
             state.where = {int(k): w for w, k in enumerate(state.keys[:state.filled])}
-        keys = address(picked[0][valid[0]]).cpu().numpy()
+        keys = address(selected).cpu().numpy()
         slots, missing = self._place(layer, state, keys)
-        if missing.size:  # one batched copy of this step's misses
-            rows = torch.from_numpy(keys[missing]).to(source.device)
-            buf[torch.from_numpy(slots[missing]).to(device)] = source[rows].to(device)
         every = np.zeros(picked.shape[1], dtype=np.int64)
         every[valid[0].cpu().numpy()] = slots
-        return buf[torch.from_numpy(every).to(device)][None]
+        return _Plan(self.slot, keys[missing], slots[missing], every)
 
-    def _fill(self, state: _Layer, buf: torch.Tensor, source: torch.Tensor,
-              address: Callable[[torch.Tensor], torch.Tensor], count: int,
-              device: torch.device) -> None:
-        """Fast path: copy in the entries whose windows closed since the last step."""
-        if count <= state.filled:
-            return
-        new = torch.arange(state.filled, count, device=device)
-        buf[state.filled:count] = source[address(new).to(source.device)].to(buf.device)
-        self.arena.moved("filled", count - state.filled)
-        state.stamps[state.filled:count] = NEVER
-        state.filled = count
+    def fetch(self, layer: int, source: torch.Tensor, plans: list[Any]) -> list[torch.Tensor]:
+        """Every plan of the step's readers (one arena serves them all)."""
+        return self.arena.fetch(layer, source, plans)
 
     def _place(self, layer: int, state: _Layer, keys: np.ndarray) -> tuple[np.ndarray,
                                                                              np.ndarray]:
@@ -214,6 +245,11 @@ class HotSet:
         self.arena.misses[layer] += int(missing.size)
         self.arena.counts["bytes_moved"] += int(missing.size) * self.arena.entry_bytes
         return slots, missing
+
+
+def _rows(source: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """source[rows] on `device`: gathered where the pool lives, then one copy."""
+    return source[torch.from_numpy(rows).to(source.device)].to(device)
 
 
 def _forget(state: _Layer, pages: np.ndarray, first: int, per_page: int) -> None:
