@@ -248,8 +248,16 @@ class HotSet:
 
 
 def _rows(source: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    """source[rows] on `device`: gathered where the pool lives, then one copy."""
-    return source[torch.from_numpy(rows).to(source.device)].to(device)
+    """source[rows] on `device`: gathered where the pool lives, then one copy. From a
+    pinned host pool to CUDA the gather lands in pinned memory and the copy is
+    asynchronous on the current stream (the caching host allocator keeps the buffer alive
+    until the copy is done), so the reads queued after it wait for it on the GPU only."""
+    index = torch.from_numpy(rows)
+    if device.type != "cuda" or not source.is_pinned():
+        return source[index.to(source.device)].to(device)
+    staging = torch.empty((rows.size, *source.shape[1:]), dtype=source.dtype, pin_memory=True)
+    torch.index_select(source, 0, index, out=staging)
+    return staging.to(device, non_blocking=True)
 
 
 def _forget(state: _Layer, pages: np.ndarray, first: int, per_page: int) -> None:
