@@ -4,7 +4,8 @@ A tiny random DeepSeek-V4 (built with transformers, nothing downloaded) serves
 the first requests of the bundled conversation trace, scaled down to fit a CPU:
 each 512-token block of the trace becomes `block_tokens` tokens, so requests
 that share blocks share token prefixes exactly as the trace says. A sample of
-the answers is checked against transformers' uncached forward.
+the answers is checked against transformers' uncached forward, and every answer
+against the same requests served again with HiSparse on.
 """
 
 from __future__ import annotations
@@ -109,4 +110,36 @@ def run_demo(requests: int = 64, block_tokens: int = 16, check: int = 4) -> int:
     console.print(f"checked {len(picks)} requests with the largest device and host hits against "
                   f"transformers' uncached forward: max |logit diff| {worst:.1e}, greedy tokens "
                   f"{'identical' if same else 'DIFFER'}: {'OK' if ok else 'FAILED'}")
-    return 0 if ok else 1
+    return 0 if ok and _hisparse_pass(console, model, prompts, outs, results) else 1
+
+
+def _hisparse_pass(console: Any, model: Any, prompts: list[list[int]], outs: list[int],
+                   results: list[Any]) -> bool:
+    """The same requests again with HiSparse on (the C4 history in host memory, a hot
+    buffer of index_topk + 1 entries per request and CSA layer): the same logits."""
+    from rich.progress import track
+
+    from shadowradix.engine import CacheConfig, Engine, SamplingParams
+
+    buffer = int(model.config.index_topk) + 1
+    engine = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2 * 1024,
+                                               host_tokens=8 * 1024, hisparse_buffer=buffer))
+    worst = 0.0
+    for prompt, n, before in track(list(zip(prompts, outs, results, strict=True)),
+                                   description="HiSparse", console=console, transient=True):
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        r = engine.generate([prompt], params, return_logits=True)[0]
+        if r.output_ids != before.output_ids:
+            worst = float("inf")
+            break
+        worst = max(worst, (r.logits - before.logits).abs().max().item())
+    hs = engine.stats()["hisparse"]
+    engine.close()
+    ok = worst <= 1e-6
+    rate = "-" if hs["hit_rate"] is None else f"{hs['hit_rate']:.1%}"
+    console.print(f"again with HiSparse (buffer {buffer} C4 entries per request and CSA layer "
+                  f"on the device, the history in host memory): {hs['hits']:,} hits, "
+                  f"{hs['misses']:,} misses (hit rate {rate}), {hs['fast_path_lookups']:,} "
+                  f"fast-path lookups; max |logit diff| against HiSparse off {worst:.1e}: "
+                  f"{'OK' if ok else 'FAILED'}")
+    return ok
