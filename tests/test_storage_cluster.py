@@ -4,7 +4,6 @@ masters, a master killed, stalled or restarted, and several engines sharing one 
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -198,17 +197,20 @@ def test_a_fresh_engine_hits_what_another_wrote_exactly(model, valkey_cluster):
 def test_a_master_killed_mid_batch_keeps_every_request_exact(model, valkey_cluster):
     cfg = CacheConfig(page_size=16, device_tokens=2048, host_tokens=4096,
                       storage=valkey_cluster.url)
-    eng = Engine.from_hf(model, cfg)
+    eng = Engine.from_hf(model, cfg, step_tokens=64)  # prefill spans steps: writes follow
     prompts = [rand_tokens(60, 150 + i) for i in range(4)]
     eng.generate(prompts[:2], P)
     eng.cache.flush(tiers=("device", "host"))  # later requests read from the cluster
-    killer = threading.Timer(0.2, valkey_cluster.kill, args=(0,))
-    killer.start()
     batch = prompts + [p + rand_tokens(20, 160 + i) for i, p in enumerate(prompts[:2])]
-    results = eng.generate(batch, P, return_logits=True)
-    killer.join()
-    for p, r in zip(batch, results, strict=True):
-        check(model, p, r)
+    ids = [eng.add_request(p, P, return_logits=True) for p in batch]
+    results, steps = {}, 0
+    while eng.has_unfinished():  # the master dies after the first step, mid-batch
+        results.update({o.request_id: o.result for o in eng.step() if o.finished})
+        steps += 1
+        if steps == 1:
+            valkey_cluster.kill(0)
+    for p, rid in zip(batch, ids, strict=True):
+        check(model, p, results[rid])
     eng.storage.drain()
     assert eng.stats()["storage_errors"] >= 1
     eng.close()
