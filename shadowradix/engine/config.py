@@ -9,6 +9,7 @@ from typing import Any
 
 from shadowradix.tiers.host_tier import WRITE_POLICIES
 from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
+from shadowradix.tree.policy import named_policy
 
 MIN_TEMPERATURE = 1e-5  # logits / temperature stays finite in float32 for any real logits
 SEED_LIMIT = 2 ** 63
@@ -52,6 +53,10 @@ class CacheConfig:
         `device_tokens` (None: the same). A running request keeps only its window and
         resume pages there, so a window pool several times smaller than the sequences
         it serves is enough; the rest of it caches windows for later hits.
+    policy: which resume points the tree keeps (tree/policy.py): "shadowradix", the
+        default (sequence ends, branch points, learned offsets before sequence ends, every
+        16 pages), or a static setting for comparison: "end-only", "periodic-K",
+        "eager-swa", "no-shadows". Never changes a logit, only what is cached.
     prefix_reuse: False makes every request compute its whole prompt, as with no prefix
         cache at all (SGLang's --disable-radix-cache): a baseline for benchmarks. Pages
         are managed as usual; only the match is skipped.
@@ -70,6 +75,7 @@ class CacheConfig:
     hisparse_buffer: int | None = None
     hisparse_requests: int | None = None
     window_tokens: int | None = None
+    policy: str = "shadowradix"
     prefix_reuse: bool = True
     debug_poison: bool = False
 
@@ -122,6 +128,9 @@ class CacheConfig:
                 or self.window_tokens < self.page_size or self.window_tokens % self.page_size):
             raise ValueError(f"window_tokens must be None or a multiple of page_size "
                              f"({self.page_size}), got {self.window_tokens!r}")
+        if not isinstance(self.policy, str):
+            raise ValueError(f"policy must be a name, got {self.policy!r}")
+        named_policy(self.policy)  # an unknown name fails here, naming the choices
         for name in ("prefix_reuse", "debug_poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -38,6 +38,7 @@ from shadowradix.tiers.mover import mover_for
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
+from shadowradix.tree.policy import named_policy
 
 
 class Engine:
@@ -73,8 +74,9 @@ class Engine:
         self._index_topk = int(getattr(cfg, "index_topk", 1))
         self._check_hisparse(config)
         resident = ("c4",) if config.hisparse_buffer is not None else ()
-        self._prefix = PrefixCache(self.layout, pages, device=self.device,
-                                   host_pages=host_pages, in_host_memory=resident)
+        self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
+                                   device=self.device, host_pages=host_pages,
+                                   in_host_memory=resident)
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   list(cfg.layer_types))

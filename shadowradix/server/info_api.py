@@ -75,7 +75,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
             "page_size": c.page_size, "max_total_num_tokens": c.device_tokens,
             "window_tokens": c.window_tokens, "host_tokens": c.host_tokens,
             "hicache_write_policy": c.write_policy, "storage": _redact(c.storage),
-            "disable_radix_cache": not c.prefix_reuse,
+            "disable_radix_cache": not c.prefix_reuse, "cache_policy": c.policy,
             "hisparse_buffer": c.hisparse_buffer,
             "hisparse_requests": engine.hot.requests if engine.hot is not None else None,
             "chunked_prefill_size": engine.scheduler.step_tokens,

@@ -44,6 +44,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hisparse-requests", type=int, default=None, metavar="R",
                     help="HiSparse: sets of hot buffers on the device, the most requests "
                     "running at once (default: what the device C4 pool's bytes would hold)")
+    ap.add_argument("--policy", default="shadowradix",
+                    help="resume points the cache keeps: shadowradix (the default), end-only, "
+                    "periodic-K, eager-swa, no-shadows")
     ap.add_argument("--disable-prefix-cache", action="store_true",
                     help="every request computes its whole prompt (a baseline to compare with)")
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY "
@@ -76,7 +79,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     config = CacheConfig(page_size=page, device_tokens=args.device_tokens or 2048 * page,
                          window_tokens=args.window_tokens, host_tokens=args.host_tokens,
                          write_policy=args.write_policy, storage=args.storage,
-                         prefix_reuse=not args.disable_prefix_cache,
+                         prefix_reuse=not args.disable_prefix_cache, policy=args.policy,
                          hisparse_buffer=args.hisparse_buffer,
                          hisparse_requests=args.hisparse_requests)
     name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)

@@ -67,7 +67,7 @@ def envelope(runs: list[dict[str, Any]]) -> dict[float, dict[str, Any]]:
 
 
 def plot_envelope(runs: list[dict[str, Any]], out: Path, title: str) -> None:
-    """A PNG: the adaptive and default policies and no shadows against the envelope of the
+    """A PNG: the default policy, the old one and no shadows against the envelope of the
     static settings, hit rate vs device GB. Needs matplotlib."""
     plt = _pyplot()
 
@@ -76,12 +76,13 @@ def plot_envelope(runs: list[dict[str, Any]], out: Path, title: str) -> None:
     xs = sorted(best)
     ax.plot(xs, [100 * best[x]["hit_rate"] for x in xs], color="black", linewidth=2.5,
             alpha=0.35, label="best static setting at each size")
-    for policy, style in (("adaptive", "o-"), ("shadowradix", "s--"), ("no-shadows", "^:")):
+    labels = {"shadowradix": "default (shadowradix)",
+              "end-only": "end checkpoints only (the old default, share 0.1)"}
+    for policy, style in (("shadowradix", "o-"), ("end-only", "s--"), ("no-shadows", "^:")):
         pts = sorted((r["device_gb"], 100 * r["hit_rate"]) for r in runs
                      if r["policy"] == policy and r["device_gb"] is not None
-                     and (policy != "shadowradix" or r["window_ratio"] == 0.1))
+                     and (policy != "end-only" or r["window_ratio"] == 0.1))
         if pts:
             px, py = zip(*pts, strict=True)
-            ax.plot(px, py, style, label={"shadowradix": "default today (share 0.1)"}
-                    .get(policy, policy))
+            ax.plot(px, py, style, label=labels.get(policy, policy))
     _finish(plt, fig, ax, runs, out, title)

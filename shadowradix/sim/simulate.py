@@ -20,12 +20,12 @@ from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.policy import CheckpointPolicy
+from shadowradix.tree.policy import ALIASES, POLICIES, CheckpointPolicy
 from shadowradix.tree.tier import DEVICE, HOST
 
-POLICY_NAMES = ("shadowradix", "adaptive", "periodic", "eager-swa", "no-shadows")
+POLICY_NAMES = ("shadowradix", "end-only", "periodic", "eager-swa", "no-shadows")
 TIERS = ("device", "host", "storage")
-SHARED_FALLBACK_RATIO = 0.2  # the adaptive policy's window share when a host tier is on
+SHARED_FALLBACK_RATIO = 0.2  # the default policy's window share when a host tier is on
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,18 @@ class PolicyChoice:
 
 
 def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.1) -> PolicyChoice:
-    """(a) shadowradix, (b) + periodic checkpoints, (c) eager SWA release (SGLang),
-    (d) no shadows: a conventional radix cache that keeps the window for every token.
-    adaptive: checkpoints where matches were seen to resume, and one byte budget shared
-    by every pool (no flags: checkpoint_every and window_ratio are ignored)."""
+    """shadowradix, the default (tree/policy.py DEFAULT): checkpoints at sequence ends,
+    branch points, learned offsets before sequence ends and every 16 pages, with one byte
+    budget shared by every pool (no flags: checkpoint_every and window_ratio are ignored;
+    "adaptive" is its old name). The static settings, for comparison: end-only (sequence
+    ends and branch points, the old default), periodic (+ a checkpoint every K pages),
+    eager SWA release (SGLang), no shadows (a conventional radix cache that keeps the
+    window for every token)."""
+    name = ALIASES.get(name, name)
     if name == "shadowradix":
-        return PolicyChoice(name, CheckpointPolicy(), window_ratio)
-    if name == "adaptive":
-        return PolicyChoice(name, CheckpointPolicy(learn_resume=True), None)
+        return PolicyChoice(name, POLICIES[name], None)
+    if name == "end-only":
+        return PolicyChoice(name, POLICIES[name], window_ratio)
     if name == "periodic":
         return PolicyChoice(f"periodic-{checkpoint_every}",
                             CheckpointPolicy(every_pages=checkpoint_every), window_ratio)

@@ -42,14 +42,37 @@ class CheckpointPolicy:
                              "is a checkpoint)")
 
 
+# The default, for the engine and the simulator alike: checkpoints at sequence ends and
+# branch points, at the offsets before sequence ends where matches were seen to stop
+# (learned), and every 16 pages, which bounds what a match that stops anywhere else
+# recomputes. In the simulator its pools also share one byte budget (sim/simulate.py).
+# Measured against the best static setting at every size from 64 GB to 1 TB:
+# benchmarks/policy_envelope.py, docs/policy_envelope_*.json.
+DEFAULT_EVERY_PAGES = 16
+DEFAULT = CheckpointPolicy(learn_resume=True, every_pages=DEFAULT_EVERY_PAGES)
+
 # The policies the simulator compares at equal bytes (issue: simulator, section 2).
 POLICIES: dict[str, CheckpointPolicy] = {
-    "shadowradix": CheckpointPolicy(),
-    "adaptive": CheckpointPolicy(learn_resume=True),
+    "shadowradix": DEFAULT,
+    "end-only": CheckpointPolicy(),  # the old default: sequence ends and branch points
     "eager-swa": CheckpointPolicy(eager_window_release=True),
     "no-shadows": CheckpointPolicy(tombstones=False),
 }
+ALIASES = {"adaptive": "shadowradix"}  # --policy adaptive, from before it was the default
 
 
 def periodic(k: int) -> CheckpointPolicy:
     return CheckpointPolicy(every_pages=k)
+
+
+def named_policy(name: str) -> CheckpointPolicy:
+    """A policy by name: one of POLICIES (or an alias), or "periodic-K". Raises ValueError
+    naming the choices."""
+    name = ALIASES.get(name, name)
+    if name in POLICIES:
+        return POLICIES[name]
+    k = name.removeprefix("periodic-")
+    if name.startswith("periodic-") and k.isdigit() and int(k) >= 1:
+        return periodic(int(k))
+    raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}, "
+                     f"periodic-K (K >= 1) or {', '.join(ALIASES)}")

@@ -139,12 +139,17 @@ class ShadowRadix(Eviction):
 
     def _learn(self, m: MatchResult, deepest: Node | None) -> None:
         """Count how far before the end of the sequence it matched into a match's logical
-        hit stopped. Only a hit that ends inside a leaf says where one sequence ends; one
-        that ends where children fork is a branch point, which branch marks serve."""
+        hit stopped. Only a hit that ends inside a leaf says where one sequence ends (at
+        its first page too, when the leaf is its parent's only child: a split there, such
+        as the one a running request's hand-over leaves, is no fork); one that ends where
+        children fork is a branch point, which branch marks serve."""
         if deepest is None or deepest is self.root or not deepest.alive or deepest.children:
             return
         depth = m.logical_len // self.page_size
-        if deepest.start_page < depth <= deepest.end_page:
+        parent = deepest.parent
+        inside = deepest.start_page < depth or (
+            depth == deepest.start_page and parent is not None and len(parent.children) == 1)
+        if inside and depth <= deepest.end_page:
             self.resume.observe(deepest.end_page - depth)
 
     def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
