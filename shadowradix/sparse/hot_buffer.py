@@ -108,14 +108,13 @@ class HotBuffers:
         """hits / misses count lookups off the fast path only; fast-path lookups (history
         within the buffer) apart, so the hit rate is not inflated. bytes_moved: every
         entry copied host -> device (misses, fast-path fills, prefill staging)."""
-        hits, misses = sum(self.hits.values()), sum(self.misses.values())
+        totals = self.totals()
         per_layer = {layer: {"hits": self.hits[layer], "misses": self.misses[layer],
                              "hit_rate": _rate(self.hits[layer], self.misses[layer])}
                      for layer in self.layers}
         return {"enabled": True, "buffer": self.capacity, "requests": self.requests,
-                "in_use": self.requests - self.free, "device_bytes": self.nbytes,
-                "hits": hits, "misses": misses, "hit_rate": _rate(hits, misses),
-                **self.counts, "per_layer": per_layer}
+                "device_bytes": self.nbytes, **self.counts, **totals,
+                "hit_rate": _rate(totals["hits"], totals["misses"]), "per_layer": per_layer}
 
     def fetch(self, layer: int, source: torch.Tensor, plans: list[_Plan]) -> list[torch.Tensor]:
         """Do every plan's copies for `layer`, then read each request's entries."""
