@@ -144,12 +144,14 @@ def test_preemption_mid_decode_is_exact_and_leaks_nothing(model):
     long = SamplingParams(max_new_tokens=60, ignore_eos=True)
     runs, preempted = [], []
     for buffer in (None, TOPK + 1):
-        eng = engine(model, buffer, device_tokens=256, step_tokens=32)
+        eng = engine(model, buffer, device_tokens=256, window_tokens=128, step_tokens=32,
+                     debug_poison=True)  # a read of a page not owned shows as NaN
         runs.append(eng.generate(prompts, long, return_logits=True))
         preempted.append(eng.stats()["preemptions"])
         if buffer is not None:
             drained(eng)
     assert preempted[0] == preempted[1] > 0
+    assert all(torch.isfinite(r.logits).all() for r in runs[1])
     same(*runs)
 
 
