@@ -13,13 +13,12 @@ for it alone (none finishes during the run).
 
 Budget: the bytes of the smallest HiSparse-off configuration in which --off-requests requests
 decode at once at context T. That is --off-requests x `sim.hisparse.decode_footprint` (at the
-context they reach while the others prefill) plus the slack the engine's sizing adds:
-  - the state pool has as many pages as C4 (CacheConfig sizes every pool but the window from
-    `device_tokens`), while a decoding request holds only 2 of them;
-  - the window pool holds, beyond 2 pages per decoding request, the pages one prefilling
-    request needs for its chunk (`CacheManager.peak_pages`).
+context they reach while the others prefill) plus the slack the engine's sizing adds: the
+window and state pools hold, beyond 2 pages per decoding request, the pages one prefilling
+request needs for its chunk (`CacheManager.peak_pages`).
 Each mode then gets the most requests whose configuration fits in that budget: `device_tokens`
-= n x the request's pages, `window_tokens` = 2n + the prefill pages, and with HiSparse
+= n x the request's pages, `window_tokens` = `state_tokens` = 2n + the prefill pages (in
+pages of tokens), and with HiSparse
 `hisparse_requests` = n (the hot-buffer arena counts as device bytes; the C4 pool does not).
 The bytes are measured on the built engine (the pools' tensors and the arena) and must not
 exceed the budget.
@@ -92,13 +91,14 @@ def plan(layout: KVLayout, mode: str, n: int, context: int, buffer: int, steps: 
     pages = -(-reach(context, n, steps) // ps)
     hold = MatchRule.of(layout).lock_pages
     prefill = min(pages, 2 * hold + -(-STEP_TOKENS // ps) + 1)  # CacheManager.peak_pages
-    window = n * (hold + 1) + prefill - (hold + 1)
+    short = n * (hold + 1) + prefill - (hold + 1)  # window and state pools alike
     on = mode == "on"
-    cfg = CacheConfig(page_size=ps, device_tokens=n * pages * ps, window_tokens=window * ps,
-                      hisparse_buffer=buffer if on else None, hisparse_requests=n if on else None)
+    cfg = CacheConfig(page_size=ps, device_tokens=n * pages * ps, window_tokens=short * ps,
+                      state_tokens=short * ps, hisparse_buffer=buffer if on else None,
+                      hisparse_requests=n if on else None)
     device = host = 0
     for p in layout.pools:
-        b = p.page_bytes(ps) * (window if p.retention is Retention.WINDOW else n * pages)
+        b = p.page_bytes(ps) * (n * pages if p.retention is Retention.ALL else short)
         if on and p.name == C4:
             host += b
         else:
@@ -231,8 +231,8 @@ def report(console: Console, res: dict[str, Any]) -> None:
                   f"{r['footprint']:.2f}x per request), decode step {r['decode_ms']:.2f}x; "
                   f"first {s['check']} tokens equal on and off: {res['exact']}")
     console.print(f"budget = {s['off_requests']} x decode_footprint {mib(b['footprint'])} at "
-                  f"{b['footprint_context']:,} tokens + slack {mib(b['slack'])} (state pool sized "
-                  f"like C4, window pages for one prefill chunk); load average "
+                  f"{b['footprint_context']:,} tokens + slack {mib(b['slack'])} (window and state "
+                  f"pages for one prefill chunk); load average "
                   f"off {res['off']['load_average']}, on {res['on']['load_average']}")
 
 

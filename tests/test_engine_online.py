@@ -101,6 +101,26 @@ def test_long_decode_in_a_window_pool_much_smaller_than_the_sequence():
     assert_pools_full(eng)
 
 
+def test_a_state_pool_much_smaller_than_the_sequence_stays_exact_and_resumes(model):
+    """state_tokens=128: 8 state entries for a 500-token sequence (31 pages). The running
+    request holds only its resume point's; the next turn resumes at the end checkpoint."""
+    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048, state_tokens=128,
+                                            debug_poison=True), step_tokens=64)
+    assert eng._prefix.pools["state"].num_pages == 8
+    prompt = rand_tokens(300, 8)
+    first = eng.generate([prompt], SamplingParams(max_new_tokens=200, ignore_eos=True),
+                         return_logits=True)[0]
+    check(model, prompt, first)
+    turn2 = prompt + first.output_ids + rand_tokens(20, 9)
+    second = eng.generate([turn2], SamplingParams(max_new_tokens=8, ignore_eos=True),
+                          return_logits=True)[0]
+    check(model, turn2, second)
+    assert second.cached_tokens == 496  # every full page of turn 1: its end checkpoint
+    eng.check_integrity()
+    with pytest.raises(ValueError, match="state_tokens"):
+        CacheConfig(page_size=16, state_tokens=24)
+
+
 def test_more_requests_than_the_device_holds_finish_exact_with_preemptions(model):
     """Eight requests whose decodes outgrow a 24-page device: the newest are preempted
     and resume from what the cache still holds; none raises, all are exact."""

@@ -53,6 +53,11 @@ class CacheConfig:
         `device_tokens` (None: the same). A running request keeps only its window and
         resume pages there, so a window pool several times smaller than the sequences
         it serves is enough; the rest of it caches windows for later hits.
+    state_tokens: the compressor-state pool's size, in tokens of sequence it can checkpoint
+        (one entry per page: state_tokens / page_size entries), set apart from
+        `device_tokens` (None: the same). A running request holds only the pages of its
+        resume point and the one it is writing, and the tree one per kept checkpoint, so a
+        pool far smaller than the sequences is enough; the bytes go to the other pools.
     policy: which resume points the tree keeps (tree/policy.py): "shadowradix", the
         default (sequence ends, branch points, learned offsets before sequence ends, every
         16 pages), or a static setting for comparison: "end-only", "periodic-K",
@@ -75,6 +80,7 @@ class CacheConfig:
     hisparse_buffer: int | None = None
     hisparse_requests: int | None = None
     window_tokens: int | None = None
+    state_tokens: int | None = None
     policy: str = "shadowradix"
     prefix_reuse: bool = True
     debug_poison: bool = False
@@ -123,11 +129,12 @@ class CacheConfig:
             raise ValueError(f"hisparse_requests must be None or an int >= 1 with "
                              f"hisparse_buffer set, got {self.hisparse_requests!r} "
                              f"(hisparse_buffer={self.hisparse_buffer!r})")
-        if self.window_tokens is not None and (
-                isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int)
-                or self.window_tokens < self.page_size or self.window_tokens % self.page_size):
-            raise ValueError(f"window_tokens must be None or a multiple of page_size "
-                             f"({self.page_size}), got {self.window_tokens!r}")
+        for name in ("window_tokens", "state_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < self.page_size
+                                      or value % self.page_size):
+                raise ValueError(f"{name} must be None or a multiple of page_size "
+                                 f"({self.page_size}), got {value!r}")
         if not isinstance(self.policy, str):
             raise ValueError(f"policy must be a name, got {self.policy!r}")
         named_policy(self.policy)  # an unknown name fails here, naming the choices

@@ -67,9 +67,9 @@ class Engine:
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         host_pages = config.host_tokens // config.page_size if config.host_tokens else None
-        pages = {p.name: (config.window_tokens if p.retention is Retention.WINDOW
-                          and config.window_tokens is not None else config.device_tokens)
-                 // config.page_size for p in self.layout.pools}
+        apart = {Retention.WINDOW: config.window_tokens, Retention.CHECKPOINT: config.state_tokens}
+        pages = {p.name: (apart.get(p.retention) or config.device_tokens) // config.page_size
+                 for p in self.layout.pools}
         self._csa_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == CSA]
         self._index_topk = int(getattr(cfg, "index_topk", 1))
         self._check_hisparse(config)
