@@ -14,7 +14,8 @@ BUFFER = 17  # the demo model's index_topk (16) + 1
 
 def test_greedy_generation_through_hot_buffers_is_transformers_greedy():
     server = ServerThread.from_args("--model", "tiny", "--hisparse-buffer", str(BUFFER),
-                                    "--hisparse-requests", "4", "--step-tokens", "128")
+                                    "--hisparse-requests", "4", "--step-tokens", "128",
+                                    "--state-tokens", "512")
     try:
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (40, 200)]
@@ -37,5 +38,6 @@ def test_greedy_generation_through_hot_buffers_is_transformers_greedy():
         assert m["shadowradix:hisparse_bytes_total"] > 0
         info = httpx.get(f"{server.url}/server_info", timeout=10).json()
         assert info["hisparse_buffer"] == BUFFER and info["hisparse_requests"] == 4
+        assert info["state_tokens"] == 512 and info["cache_policy"] == "shadowradix"
     finally:
         server.stop()

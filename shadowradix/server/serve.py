@@ -34,6 +34,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="L1 capacity in tokens (default: 2048 pages)")
     ap.add_argument("--window-tokens", type=int, default=None,
                     help="sliding-window pool size in tokens (default: --device-tokens)")
+    ap.add_argument("--state-tokens", type=int, default=None,
+                    help="compressor-state pool in tokens (default: --device-tokens)")
     ap.add_argument("--host-tokens", type=int, default=0, help="L2 capacity; 0: no host tier")
     ap.add_argument("--write-policy", default="write_through",
                     help="write_through | write_through_selective | write_back")
@@ -77,7 +79,8 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     page = args.page_size or (16 if tiny else 256)
     config = CacheConfig(page_size=page, device_tokens=args.device_tokens or 2048 * page,
-                         window_tokens=args.window_tokens, host_tokens=args.host_tokens,
+                         window_tokens=args.window_tokens, state_tokens=args.state_tokens,
+                         host_tokens=args.host_tokens,
                          write_policy=args.write_policy, storage=args.storage,
                          prefix_reuse=not args.disable_prefix_cache, policy=args.policy,
                          hisparse_buffer=args.hisparse_buffer,
