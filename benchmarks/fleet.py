@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import os
 import re
 import signal
@@ -65,7 +64,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,7 +75,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import httpx
 import redis
 from common import write_json
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 from serve import (
@@ -88,11 +85,13 @@ from serve import (
     add_workload_arguments,
     ms,
     replay,
+    scrape,
     sse_events,
     summarize,
     warm_up,
     workload,
 )
+from server_util import FleetProcess
 from valkey_cluster import ValkeyCluster
 
 from shadowradix.tiers.storage import object_key
@@ -139,83 +138,6 @@ async def send(client: httpx.AsyncClient, req: Request) -> Outcome:
 
 
 # --------------------------------------------------------------------------------- fleet
-class FleetProcess:
-    """`python -m shadowradix fleet --model tiny --port 0 ARGV` as a child process, in a
-    process group of its own (Ctrl-C reaches this script, which stops it in order): `url`
-    (the router) and `instances` once it says it is up; leaving the block sends SIGTERM and
-    sets `exit_code` (None: it had to be killed)."""
-
-    def __init__(self, argv: list[str], timeout: float = 300) -> None:
-        self.argv = ["--model", "tiny", "--port", "0", *argv]
-        self.timeout = timeout
-        self.url = ""
-        self.instances: dict[int, str] = {}
-        self.exit_code: int | None = None
-        self.log: collections.deque[str] = collections.deque(maxlen=60)
-        self._up = threading.Event()
-
-    def __enter__(self) -> FleetProcess:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", "fleet", *self.argv],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, process_group=0,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        try:
-            if not self._up.wait(self.timeout) or not self.url:
-                raise RuntimeError(f"the fleet did not start (exit code {self.proc.poll()}):\n"
-                                   f"{''.join(self.log)}")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if m := INSTANCE_LINE.match(line):
-                self.instances[int(m.group(1))] = m.group(2)
-            elif m := FLEET_LINE.match(line):
-                self.url = m.group(1)
-                self._up.set()
-        self._up.set()  # it exited: wake the waiter
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # router first, then each instance drains
-        try:
-            self.exit_code = self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its children get SIGTERM as it dies
-            self.proc.wait()
-            self.exit_code = None
-
-
-def instance_metrics(url: str) -> dict[str, Any]:
-    """What one instance's /metrics says so far: requests ended, cached tokens by tier,
-    preemptions, L3 faults and bytes to and from L3."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out: dict[str, Any] = {"requests": 0, "preemptions": 0, "storage_errors": 0,
-                           "cached_tokens": dict.fromkeys(TIERS, 0),
-                           "storage_loaded_bytes": 0, "storage_backup_bytes": 0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name, labels, value = s.name, s.labels, int(s.value)
-            if name == "shadowradix:requests_total":
-                out["requests"] += value
-            elif name == "shadowradix:preemptions_total":
-                out["preemptions"] += value
-            elif name == "shadowradix:storage_errors_total":
-                out["storage_errors"] += value
-            elif name == "shadowradix:cached_tokens_total":
-                out["cached_tokens"][labels["tier"]] += value
-            elif name == "shadowradix:load_back_bytes_total" and labels["source"] == "storage":
-                out["storage_loaded_bytes"] += value
-            elif name == "shadowradix:backup_bytes_total" and labels["target"] == "storage":
-                out["storage_backup_bytes"] += value
-    return out
-
-
 def minus(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """`after - before`, key by key (nested dicts too)."""
     return {k: minus(v, before[k]) if isinstance(v, dict) else v - before[k]
@@ -233,20 +155,21 @@ def run_phase(fleet_argv: list[str], requests: list[Request],
               cluster: ValkeyCluster | None) -> dict[str, Any]:
     """A fresh fleet; every instance warmed up, the tiers emptied; the replay through the
     router; each instance's /metrics over the replay; SIGTERM."""
-    with FleetProcess(fleet_argv) as fleet:
+    with FleetProcess("--model", "tiny", "--port", "0", *fleet_argv, timeout=300, group=True,
+                      stop_timeout=120) as fleet:
         urls = [fleet.instances[i] for i in sorted(fleet.instances)]
         for url in urls:
             warm_up(url)
         if cluster is not None:
             flush_cluster(cluster)
-        before = [instance_metrics(u) for u in urls]
+        before = [scrape(u) for u in urls]
         load = os.getloadavg()[0]
         outcomes, wall, lag = asyncio.run(replay(fleet.url, requests, send))
-        per_instance = [minus(instance_metrics(u), b) for u, b in zip(urls, before, strict=True)]
+        per_instance = [minus(scrape(u), b) for u, b in zip(urls, before, strict=True)]
     return {**summarize(outcomes, wall, lag), "instances": per_instance,
             "load_average": [load, os.getloadavg()[0]],
             "fleet": {"argv": fleet.argv, "exit_code": fleet.exit_code, "instance_urls": urls,
-                      "log_tail": list(fleet.log) if fleet.exit_code != 0 else []}}
+                      "log_tail": fleet.log[-60:] if fleet.exit_code != 0 else []}}
 
 
 def failed_phase(fleet_argv: list[str], error: BaseException) -> dict[str, Any]:

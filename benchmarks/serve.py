@@ -53,10 +53,7 @@ import asyncio
 import collections
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -64,12 +61,15 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 import httpx
 import numpy as np
 from common import write_json
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
+from server_util import ServerProcess
 
 from shadowradix.demo import conversations, scaled_prompt
 from shadowradix.sim.trace import bundled_trace, load_trace
@@ -101,67 +101,6 @@ def workload(requests: int, block_tokens: int, max_tokens: int, speedup: float) 
 
 
 # -------------------------------------------------------------------------------- server
-class Server:
-    """`python -m shadowradix serve --model tiny --port 0 ARGV` as a child process: `url` once
-    /health says the model is loaded; leaving the block sends SIGTERM and sets `exit_code`."""
-
-    def __init__(self, argv: list[str], timeout: float = 180) -> None:
-        self.argv = ["--model", MODEL, "--port", "0", *argv]
-        self.timeout = timeout
-        self.url = ""
-        self.exit_code: int | None = None
-        self.log: collections.deque[str] = collections.deque(maxlen=40)
-        self._bound = threading.Event()
-
-    def __enter__(self) -> Server:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", "serve", *self.argv],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if not self._bound.is_set() and line.startswith("shadowradix: serving "):
-                self.url = line.split()[-1]  # "... on http://127.0.0.1:PORT"
-                self._bound.set()
-        self._bound.set()  # the process exited: wake the waiter
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        if not self._bound.wait(self.timeout) or not self.url:
-            raise RuntimeError(f"the server did not start:\n{''.join(self.log)}")
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited {self.proc.returncode}:\n"
-                                   f"{''.join(self.log)}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.url} did not load the model in {self.timeout:.0f} s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            self.exit_code = None  # did not stop within a minute of SIGTERM
-
-
 def warm_up(url: str) -> None:
     """One request of random ids (no prefix of the trace's), then an empty cache: the first
     forward's one-off costs stay out of the replay."""
@@ -173,15 +112,27 @@ def warm_up(url: str) -> None:
 
 
 def scrape(url: str) -> dict[str, Any]:
-    """Preemptions and cached tokens by tier from /metrics (prometheus-client's parser)."""
+    """What one server's /metrics says so far (prometheus-client's parser): requests ended,
+    cached tokens by tier, preemptions, L3 faults and bytes to and from L3."""
+    out: dict[str, Any] = {"requests": 0, "preemptions": 0, "storage_errors": 0,
+                           "cached_tokens": dict.fromkeys(TIERS, 0),
+                           "storage_loaded_bytes": 0, "storage_backup_bytes": 0}
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    out: dict[str, Any] = {"preemptions": 0, "cached_tokens": dict.fromkeys(TIERS, 0)}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "shadowradix:preemptions_total":
-                out["preemptions"] += int(s.value)
-            elif s.name == "shadowradix:cached_tokens_total":
-                out["cached_tokens"][s.labels["tier"]] += int(s.value)
+            name, labels, value = s.name, s.labels, int(s.value)
+            if name == "shadowradix:requests_total":
+                out["requests"] += value
+            elif name == "shadowradix:preemptions_total":
+                out["preemptions"] += value
+            elif name == "shadowradix:storage_errors_total":
+                out["storage_errors"] += value
+            elif name == "shadowradix:cached_tokens_total":
+                out["cached_tokens"][labels["tier"]] += value
+            elif name == "shadowradix:load_back_bytes_total" and labels["source"] == "storage":
+                out["storage_loaded_bytes"] += value
+            elif name == "shadowradix:backup_bytes_total" and labels["target"] == "storage":
+                out["storage_backup_bytes"] += value
     return out
 
 
@@ -319,7 +270,7 @@ def summarize(outcomes: list[Outcome], wall: float, lag: float) -> dict[str, Any
 
 def run_phase(server_argv: list[str], requests: list[Request]) -> dict[str, Any]:
     """A fresh server, warmed up; the replay; its /metrics; SIGTERM."""
-    with Server(server_argv) as server:
+    with ServerProcess("--model", MODEL, *server_argv, timeout=180) as server:
         warm_up(server.url)
         load = os.getloadavg()[0]
         outcomes, wall, lag = asyncio.run(replay(server.url, requests))
@@ -328,7 +279,7 @@ def run_phase(server_argv: list[str], requests: list[Request]) -> dict[str, Any]
     return {**summarize(outcomes, wall, lag), "metrics": metrics,
             "load_average": [load, os.getloadavg()[0]],
             "server": {"argv": server.argv, "exit_code": server.exit_code,
-                       "log_tail": list(server.log) if server.exit_code != 0 else []}}
+                       "log_tail": server.log[-40:] if server.exit_code != 0 else []}}
 
 
 # -------------------------------------------------------------------------------- report

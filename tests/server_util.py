@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,18 +73,33 @@ class ServerThread:
 
 class ChildProcess:
     """`python -m shadowradix COMMAND ARGV` as a child process: its stderr is kept in `log`
-    and each line goes to `on_line`; ready once that returns True (or the child exits)."""
+    and each line goes to `on_line`; ready once that returns True (or the child exits).
+    `group`: in a process group of its own (Ctrl-C reaches only the caller, which stops it
+    in order). As a context manager, leaving the block stops it: SIGTERM, then `exit_code`
+    (None: it did not exit within `stop_timeout` and was killed)."""
 
-    def __init__(self, command: str, *argv: str, timeout: float = 180) -> None:
+    def __init__(self, command: str, *argv: str, timeout: float = 180, group: bool = False,
+                 stop_timeout: float = 60) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", command, *argv],
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.argv = [command, *argv]
+        self.group = group
+        self.stop_timeout = stop_timeout
+        self.exit_code: int | None = None
+        self.proc = subprocess.Popen([sys.executable, "-m", "shadowradix", *self.argv],
+                                     stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd=ROOT, process_group=0 if group
+                                     else None)
         self.log: list[str] = []
         self.url = ""
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout) or not self.url:
-            raise RuntimeError(f"shadowradix {command} did not start:\n" + "".join(self.log))
+        try:
+            if not self._ready.wait(timeout) or not self.url:
+                raise RuntimeError(f"shadowradix {command} did not start (exit code "
+                                   f"{self.proc.poll()}):\n" + "".join(self.log))
+        except BaseException:
+            self.kill()
+            raise
 
     def on_line(self, line: str) -> bool:
         raise NotImplementedError
@@ -102,16 +118,33 @@ class ChildProcess:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            if self.group:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                self.proc.kill()
             self.proc.wait()
+
+    def __enter__(self) -> ChildProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.exit_code = self.terminate(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.exit_code = None
 
 
 class ServerProcess(ChildProcess):
     """`python -m shadowradix serve ...` on an ephemeral port, once /health says ready."""
 
-    def __init__(self, *argv: str, timeout: float = 120) -> None:
-        super().__init__("serve", "--port", "0", *argv, timeout=timeout)
-        wait_healthy(self.url, timeout)
+    def __init__(self, *argv: str, timeout: float = 120, **kw: Any) -> None:
+        super().__init__("serve", "--port", "0", *argv, timeout=timeout, **kw)
+        try:
+            wait_healthy(self.url, timeout, self.proc)
+        except BaseException:
+            self.kill()
+            raise
 
     def on_line(self, line: str) -> bool:
         if not self.url and line.startswith("shadowradix: serving "):
@@ -120,9 +153,59 @@ class ServerProcess(ChildProcess):
         return False
 
 
-def wait_healthy(url: str, timeout: float = 120) -> None:
+class FleetProcess(ChildProcess):
+    """`python -m shadowradix fleet ...`: its router URL, its instances' URLs (from their
+    forwarded `serving` lines) and its children's pids."""
+
+    def __init__(self, *argv: str, timeout: float = 180, **kw: Any) -> None:
+        self.instances: dict[int, str] = {}
+        super().__init__("fleet", *argv, timeout=timeout, **kw)
+        self.children = child_pids(self.proc.pid)
+
+    def on_line(self, line: str) -> bool:
+        if m := re.match(r"\[instance (\d+)\] shadowradix: serving \S+ on (\S+)", line):
+            self.instances[int(m.group(1))] = m.group(2)
+        if m := re.match(r"shadowradix: fleet of \d+ on (\S+)", line):
+            self.url = m.group(1)
+            return True
+        return False
+
+    def kill(self) -> None:
+        """Whatever is left, even after a failure: the fleet, then any child of it."""
+        super().kill()
+        for pid in getattr(self, "children", []):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_healthy(url: str, timeout: float = 120,
+                 proc: subprocess.Popen[str] | None = None) -> None:
+    """Until /health answers 200 (the model is loaded); fails at once if `proc` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return

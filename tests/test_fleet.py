@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_util import ROOT, ChildProcess, ServerThread, metrics, wait_for
+from server_util import ROOT, FleetProcess, ServerThread, alive, metrics, wait_for
 
 from shadowradix.server.fleet import add_arguments, instance_argv
 from shadowradix.server.info_api import _redact
@@ -103,52 +102,6 @@ def test_every_serve_flag_given_to_the_fleet_reaches_each_instance():
 
 
 # ------------------------------------------------------------------------ the fleet
-class FleetProcess(ChildProcess):
-    """`python -m shadowradix fleet ...`: its router URL, its instances' URLs (from their
-    forwarded `serving` lines) and its children's pids."""
-
-    def __init__(self, *argv: str, timeout: float = 180) -> None:
-        self.instances: dict[int, str] = {}
-        super().__init__("fleet", *argv, timeout=timeout)
-        self.children = child_pids(self.proc.pid)
-
-    def on_line(self, line: str) -> bool:
-        if m := re.match(r"\[instance (\d+)\] shadowradix: serving \S+ on (\S+)", line):
-            self.instances[int(m.group(1))] = m.group(2)
-        if m := re.match(r"shadowradix: fleet of \d+ on (\S+)", line):
-            self.url = m.group(1)
-            return True
-        return False
-
-    def kill(self) -> None:
-        """Whatever is left, even after a failure: the fleet, then any child of it."""
-        super().kill()
-        for pid in getattr(self, "children", []):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def child_pids(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for its parent counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def served(urls: dict[int, str]) -> dict[int, float]:
     return {i: sum(v for k, v in metrics(url).items() if k.startswith("shadowradix:requests_total"))
             for i, url in urls.items()}
