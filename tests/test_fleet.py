@@ -18,7 +18,7 @@ import pytest
 from server_util import ROOT, FleetProcess, ServerThread, alive, metrics, wait_for
 
 from shadowradix.server.fleet import add_arguments, instance_argv
-from shadowradix.server.info_api import _redact
+from shadowradix.tiers.storage.redis_common import redact as _redact
 
 KEY = "fleet-key"
 MAX_TOKENS = 6

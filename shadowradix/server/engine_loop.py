@@ -171,7 +171,7 @@ class EngineLoop:
         assert engine is not None
         if not fut.set_running_or_notify_cancel():
             return
-        waiting = engine.status()["waiting"]
+        waiting = len(engine.scheduler.waiting)
         if self.max_queue is not None and waiting + len(sub.prompts) > self.max_queue:
             fut.set_exception(Overloaded(
                 f"the server is overloaded: {waiting} requests wait for admission and "

@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shadowradix.engine import SamplingParams
+from shadowradix.engine.cache_control import TIERS
 from shadowradix.engine.request import StepOutput
 from shadowradix.server.engine_loop import Delivery, EngineLoop, Overloaded, Submission
 from shadowradix.server.metrics import ServerMetrics
 from shadowradix.server.protocol import ApiError, Decoding
 from shadowradix.server.text_stream import TextStream
-
-TIERS = ("device", "host", "storage")
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from shadowradix import __version__
 from shadowradix.server.runtime import Runtime
+from shadowradix.tiers.storage.redis_common import redact
 
 
 async def model_info(request: Request) -> JSONResponse:
@@ -75,19 +75,9 @@ def engine_settings(engine: Any) -> dict[str, Any]:
             "page_size": c.page_size, "max_total_num_tokens": c.device_tokens,
             "window_tokens": c.window_tokens, "state_tokens": c.state_tokens,
             "host_tokens": c.host_tokens,
-            "hicache_write_policy": c.write_policy, "storage": _redact(c.storage),
+            "hicache_write_policy": c.write_policy, "storage": redact(c.storage),
             "disable_radix_cache": not c.prefix_reuse, "cache_policy": c.policy,
             "hisparse_buffer": c.hisparse_buffer,
             "hisparse_requests": engine.hot.requests if engine.hot is not None else None,
             "chunked_prefill_size": engine.scheduler.step_tokens,
             "kv_pools": [p.name for p in engine.layout.pools], "device": str(engine.device)}
-
-
-def _redact(url: str | None) -> str | None:
-    """A storage URL without a user or password (redis://:SECRET@host)."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from shadowradix.engine.cache_control import TIERS
 from shadowradix.server.generation import Choice, Generation, options
 from shadowradix.server.protocol import (
     ApiError,
@@ -49,7 +50,7 @@ def _meta(gen: Generation, c: Choice) -> dict[str, Any]:
         reason = {"type": "length", "length": len(c.token_ids)}
     elif c.finish_reason is not None:
         reason = {"type": c.finish_reason, "matched": c.matched}
-    by_tier = c.cached_by_tier or {"device": 0, "host": 0, "storage": 0}
+    by_tier = c.cached_by_tier or dict.fromkeys(TIERS, 0)
     return {"id": c.request_id, "finish_reason": reason, "prompt_tokens": c.prompt_len,
             "completion_tokens": len(c.token_ids), "cached_tokens": c.cached_tokens,
             "cached_tokens_by_tier": by_tier,

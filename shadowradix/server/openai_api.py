@@ -66,11 +66,10 @@ async def _respond(request: Request, rt: Runtime, gen: Generation, body: Samplin
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(gen, head, chat, usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    texts = [""] * len(gen.choices)
     async with watch_disconnect(request, gen):
         try:
-            async for choice, piece in gen.events():
-                texts[choice.index] += piece
+            async for _ in gen.events():
+                pass
         finally:
             gen.close()
     choices: list[dict[str, Any]] = []
@@ -78,9 +77,9 @@ async def _respond(request: Request, rt: Runtime, gen: Generation, body: Samplin
         out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
                                "stop_reason": c.matched, "logprobs": None}
         if chat:
-            out["message"] = {"role": "assistant", "content": texts[c.index]}
+            out["message"] = {"role": "assistant", "content": c.text.output}
         else:
-            out["text"] = texts[c.index]
+            out["text"] = c.text.output
         choices.append(out)
     return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
 

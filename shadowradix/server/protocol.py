@@ -155,7 +155,7 @@ def parse(cls: type[B], raw: bytes) -> B:
     if not isinstance(data, dict):
         raise ApiError("the body must be a JSON object", code="invalid_json")
     try:
-        return cls.model_validate_json(raw)
+        return cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"] if isinstance(p, str) and not _tag(p))

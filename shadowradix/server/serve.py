@@ -97,9 +97,19 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         from shadowradix.server.info_api import engine_settings
 
         dtype = getattr(torch, args.dtype)
-        model, tokenizer = load_model(args.model, dtype, args.device)
-        engine = Engine.from_hf(model, config, step_tokens=args.step_tokens)
-        runtime.tokenizer = tokenizer
+        if args.model == "tiny":
+            from shadowradix.demo import tiny_deepseek_v4
+            from shadowradix.server.tokenizer import tiny_tokenizer
+
+            hf = tiny_deepseek_v4().to(dtype=dtype, device=args.device)
+            engine = Engine.from_hf(hf, config, step_tokens=args.step_tokens)
+            runtime.tokenizer = tiny_tokenizer(engine.vocab_size)
+        else:
+            from shadowradix.server.tokenizer import load_tokenizer
+
+            engine = Engine.from_pretrained(args.model, config, dtype, args.device,
+                                            step_tokens=args.step_tokens)
+            runtime.tokenizer = load_tokenizer(args.model)
         runtime.vocab_size = engine.vocab_size
         runtime.eos = frozenset(engine.eos)
         runtime.max_len = engine.max_sequence_len()
@@ -109,22 +119,6 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
 
     runtime.loop = EngineLoop(build, metrics, args.max_queue)
     return runtime
-
-
-def load_model(model: str, dtype: Any, device: str) -> tuple[Any, Any]:
-    """(the transformers model, its tokenizer) for `tiny` or a checkpoint directory."""
-    if model == "tiny":
-        from shadowradix.demo import tiny_deepseek_v4
-        from shadowradix.server.tokenizer import tiny_tokenizer
-
-        hf = tiny_deepseek_v4().to(dtype=dtype, device=device)
-        return hf, tiny_tokenizer(hf.config.vocab_size)
-    from transformers import DeepseekV4ForCausalLM
-
-    from shadowradix.server.tokenizer import load_tokenizer
-
-    loaded: Any = DeepseekV4ForCausalLM.from_pretrained(model, dtype=dtype)
-    return loaded.to(device).eval(), load_tokenizer(model)
 
 
 def serve(args: argparse.Namespace) -> int:

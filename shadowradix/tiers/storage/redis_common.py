@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
+from urllib.parse import urlsplit, urlunsplit
 
 from shadowradix.tiers.storage.breaker import CircuitBreaker
 from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode
@@ -105,9 +106,20 @@ def refused_credentials(e: BaseException) -> bool:
     return False
 
 
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    if "@" not in url:
+@overload
+def redact(url: str) -> str: ...
+
+
+@overload
+def redact(url: None) -> None: ...
+
+
+def redact(url: str | None) -> str | None:
+    """The URL without a user or password (redis://:SECRET@host), for messages, logs and
+    /server_info; an "@" in a path (file:///data/kv@1) is left alone."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
         return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
