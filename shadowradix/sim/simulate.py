@@ -20,7 +20,7 @@ from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.policy import ALIASES, POLICIES, CheckpointPolicy
+from shadowradix.tree.policy import ALIASES, POLICIES, CheckpointPolicy, periodic
 from shadowradix.tree.tier import DEVICE, HOST
 
 POLICY_NAMES = ("shadowradix", "end-only", "periodic", "eager-swa", "no-shadows")
@@ -47,18 +47,13 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
     eager SWA release (SGLang), no shadows (a conventional radix cache that keeps the
     window for every token)."""
     name = ALIASES.get(name, name)
-    if name == "shadowradix":
-        return PolicyChoice(name, POLICIES[name], None)
-    if name == "end-only":
-        return PolicyChoice(name, POLICIES[name], window_ratio)
     if name == "periodic":
-        return PolicyChoice(f"periodic-{checkpoint_every}",
-                            CheckpointPolicy(every_pages=checkpoint_every), window_ratio)
-    if name == "eager-swa":
-        return PolicyChoice(name, CheckpointPolicy(eager_window_release=True), window_ratio)
-    if name == "no-shadows":
-        return PolicyChoice(name, CheckpointPolicy(tombstones=False), 1.0)
-    raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
+        return PolicyChoice(f"periodic-{checkpoint_every}", periodic(checkpoint_every),
+                            window_ratio)
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
+    ratio = {"shadowradix": None, "no-shadows": 1.0}.get(name, window_ratio)
+    return PolicyChoice(name, POLICIES[name], ratio)
 
 
 def make_cache(layout: KVLayout, choice: PolicyChoice, device_bytes: float,

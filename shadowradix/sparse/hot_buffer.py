@@ -196,8 +196,9 @@ class HotSet:
         selected = picked[0][valid[0]]
         if state.fast and count <= capacity:  # slot w holds entry w
             new = np.arange(state.filled, max(count, state.filled))
-            src = address(torch.from_numpy(new).to(picked.device)).cpu().numpy()
-            if new.size:  # entries whose windows closed since the last step
+            src = new  # nothing to copy (empty) unless windows closed since the last step
+            if new.size:
+                src = address(torch.from_numpy(new).to(picked.device)).cpu().numpy()
                 self.arena.moved("filled", new.size)
                 state.stamps[state.filled:count] = NEVER
                 state.filled = count

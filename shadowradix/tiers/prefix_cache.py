@@ -155,8 +155,8 @@ class PrefixCache:
         """Shared budget: bytes that must be let go before `need` fits (<= 0: none)."""
         assert self.budget is not None
         pb = self._page_bytes
-        used = sum(pool.used_pages * pb[name] for name, pool in self.pools.items())
-        return used + sum(n * pb[name] for name, n in need.items() if n > 0) - self.budget
+        return self.used_bytes() + sum(n * pb[name] for name, n in need.items() if n > 0) - (
+            self.budget)
 
     def used_bytes(self, tier: int = DEVICE) -> int:
         """Bytes of the pages in use in one tier's pools."""

@@ -20,6 +20,7 @@ from shadowradix.tiers.storage.redis_common import (
     client_options,
     log,
     redact,
+    scan_delete,
     store_errors,
     unreachable_errors,
     verified,
@@ -98,14 +99,9 @@ class RedisBackend(StorageBackend):
         StorageUnavailable if the server did not answer."""
         gone = 0
         try:
-            batch: list[Any] = []
-            for key in self._client.scan_iter(match=f"{namespace}/*", count=1000):
-                batch.append(key)
-                if len(batch) >= 1000:
-                    gone += int(self._client.delete(*batch))
-                    batch = []
-            if batch:
-                gone += int(self._client.delete(*batch))
+            for n in scan_delete(self._client, namespace,
+                                 lambda batch: int(self._client.delete(*batch))):
+                gone += n
         except self._errors_types as e:
             self.errors["unreachable"] += 1
             self.breaker.failed()

@@ -35,6 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -47,6 +48,7 @@ from shadowradix.tiers.storage.redis_common import (
     log,
     redact,
     refused_credentials,
+    scan_delete,
     store_errors,
     verified,
 )
@@ -317,14 +319,8 @@ class RedisClusterBackend(StorageBackend):
         for node in cluster.get_primaries():
             client = cluster.get_redis_connection(node)
             try:
-                batch: list[bytes] = []
-                for key in client.scan_iter(match=f"{namespace}/*", count=1000):
-                    batch.append(key)
-                    if len(batch) >= 1000:
-                        gone += _delete(client, batch)
-                        batch = []
-                if batch:
-                    gone += _delete(client, batch)
+                for n in scan_delete(client, namespace, partial(_delete, client)):
+                    gone += n
             except self._faults as e:
                 self.errors["unreachable"] += 1
                 self._guard(node.name).breaker.failed()

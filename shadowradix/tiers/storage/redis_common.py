@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, overload
 from urllib.parse import urlsplit, urlunsplit
 
@@ -123,3 +123,17 @@ def redact(url: str | None) -> str | None:
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
+def scan_delete(client: Any, namespace: str, delete: Callable[[list[Any]], int],
+                batch_size: int = 1000) -> Iterator[int]:
+    """SCAN one server for the namespace's keys and `delete` them in batches, yielding how
+    many each batch deleted (a caller that a fault interrupts knows what went)."""
+    batch: list[Any] = []
+    for key in client.scan_iter(match=f"{namespace}/*", count=batch_size):
+        batch.append(key)
+        if len(batch) >= batch_size:
+            yield delete(batch)
+            batch = []
+    if batch:
+        yield delete(batch)
