@@ -24,6 +24,8 @@ class Prompt:
 
     tokens: tuple[int, ...]
     output_length: int = 0
+    expanded_tokens = 0  # it brings its own array: the replay needs no room for it
+    sequence_hash_ids = None
 
     @property
     def hash_ids(self) -> tuple[int, ...]:

@@ -154,11 +154,10 @@ class _Tokens:
         self.buffer = np.empty(0, dtype=np.int32)
 
     def __call__(self, req: TraceRequest) -> tuple[np.ndarray, np.ndarray]:
-        # Requests made of explicit tokens (tests) bring their own array: no room needed.
-        need = req.expanded_tokens if isinstance(req, TraceRequest) else 0
+        need = req.expanded_tokens
         if self.buffer.size < need:
             self.buffer = np.empty(2 * need, dtype=np.int32)
-        if isinstance(req, TraceRequest) and req.sequence_hash_ids is not None:
+        if req.sequence_hash_ids is not None:
             seq = req.sequence_tokens(self.buffer)  # the prompt is its start
             prompt = seq[:req.input_length]
             return prompt, (seq if self.with_output else prompt)
