@@ -65,7 +65,7 @@ def test_engine_and_simulator_cache_the_same_tokens(host_tokens):
     host_pages = ({n: p.num_pages for n, p in eng._prefix.host_pools.items()}
                   if host_tokens else None)
     cache = PrefixCache(eng.layout, pages, host_pages=host_pages)
-    host = (HostTier(cache, CountingMover(eng.layout.page_bytes()))  # type: ignore[arg-type]
+    host = (HostTier(cache, CountingMover())  # type: ignore[arg-type]
             if host_tokens else None)
     sim_hits = []
     for p in prompts:  # one replay per request, to read each one's tiers

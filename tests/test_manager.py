@@ -46,7 +46,7 @@ def test_peek_changes_nothing_and_selective_backup_counts_only_real_matches():
     count as a hit: write_through_selective backs a prefix up after 2 real matches."""
     layout = tiny_layout(PS)
     cache = PrefixCache(layout, 32, host_pages=32)
-    host = HostTier(cache, CountingMover(layout.page_bytes()),  # type: ignore[arg-type]
+    host = HostTier(cache, CountingMover(),  # type: ignore[arg-type]
                     "write_through_selective", hit_threshold=2)
     manager = CacheManager(cache, host)
     tokens = np.arange(41, dtype=np.int32)

@@ -11,7 +11,6 @@ numbers they print come from one piece of code.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,21 +21,16 @@ from shadowradix.sim.trace import OUTPUT_TOKEN_BASE, TraceRequest
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tree.tier import HOST
 
 
 class CountingMover:
-    """The simulator's mover: copies nothing, counts the bytes each direction would move."""
+    """The simulator's mover: copies nothing; each submission is done at once (the bytes
+    each direction would move are counted by the HostTier, `HostTier.bytes`)."""
 
-    def __init__(self, page_bytes: dict[str, int]) -> None:
-        self.page_bytes = page_bytes
-        self.bytes = Counter[str]()  # "host->device" / "device->host" -> bytes
+    def __init__(self) -> None:
         self.last = 0
 
     def submit(self, copies: Sequence[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
-        for pool, tier, src, _ in copies:
-            way = "host->device" if tier == HOST else "device->host"
-            self.bytes[way] += len(src) * self.page_bytes[pool]
         self.last += 1
         return self.last
 

@@ -116,7 +116,7 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     pages = {n: p.num_pages for n, p in cache.pools.items()}
     budget = cache.budget
     host_pages = bool(cache.host_pools)
-    mover = CountingMover(layout.page_bytes())
+    mover = CountingMover()
     host = HostTier(cache, mover, write_policy) if host_pages else None  # type: ignore[arg-type]
     if storage_gb < 0:
         raise ValueError(f"storage_gb must be >= 0, got {storage_gb}")
@@ -154,7 +154,7 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
         "seconds": seconds,
         "peak_pages": st.peak_pages,
         "peak_bytes": {n: st.peak_pages[n] * page_bytes[n] for n in st.peak_pages},
-        "bytes_moved": {**{f"{a}->{b}": mover.bytes[f"{a}->{b}"]
+        "bytes_moved": {**{f"{a}->{b}": host.bytes[f"{a}->{b}"] if host else 0
                            for a in TIERS for b in TIERS if a != b},
                         **{f"storage->{to}": n * store.page_bytes if store else 0
                            for to, n in st.storage_pages.items()},
