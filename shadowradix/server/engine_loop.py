@@ -129,21 +129,21 @@ class EngineLoop:
         self._publish(engine)
         while not self._stopping:
             # Sleep on the queue when idle; between steps, only take what is there.
-            if self._run_commands(block=not engine.has_unfinished()):
-                self._publish(engine)  # e.g. an abort freed pages
-            if self._stopping or not engine.has_unfinished():
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as e:
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(e)
-                continue
-            if outputs:
-                self._dispatch(outputs)
-            else:
-                time.sleep(0.001)  # e.g. storage reads in flight: do not spin
-            self._publish(engine)
+            changed = bool(self._run_commands(block=not engine.has_unfinished()))
+            if not self._stopping and engine.has_unfinished():
+                changed = True
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(e)
+                else:
+                    if outputs:
+                        self._dispatch(outputs)
+                    else:
+                        time.sleep(0.001)  # e.g. storage reads in flight: do not spin
+            if changed:  # once per turn: commands (an abort freed pages), a step, a fault
+                self._publish(engine)
         self._shutdown()
 
     def _publish(self, engine: Engine) -> None:
