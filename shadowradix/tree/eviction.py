@@ -139,8 +139,7 @@ class Eviction:
         aside in `skipped`, to be queued again)."""
         for node in it:
             locked = (node.full_lock > 0 if row is None
-                      else not np.count_nonzero(node.keep[row] & (node.window_lock == 0)
-                                                & (node.pages[row] >= 0)))
+                      else not np.count_nonzero(self._free_cells(node, DEVICE, row, True)))
             if not locked:
                 return node
             skipped.append(node)
@@ -148,14 +147,10 @@ class Eviction:
 
     def _drop_checkpoints(self, node: Node, rows: list[int], freed: Freed) -> None:
         """Tombstone a node's unlocked kept pages in every short-lived pool."""
-        free_cols = node.window_lock == 0
         for row in rows:
-            mask = (node.pages[row] >= 0) & node.keep[row] & free_cols
+            mask = self._free_cells(node, DEVICE, row, True)
             if np.count_nonzero(mask):
-                pages = node.pages[row, mask]
-                node.pages[row, mask] = -1
-                self._held[DEVICE][row] -= pages.size
-                freed[DEVICE][row].append(pages)
+                self._let_go(node, DEVICE, row, mask, freed)
         if not node.children and node.full_lock == 0:
             self._drop_dead_leaf(node, freed)
 
@@ -193,22 +188,31 @@ class Eviction:
                 for i, p in enumerate(self.layout.pools)} for f in freed]
         return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
 
+    def _free_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
+        """The cells of one pool row that eviction may let go: present in `tier`, not held
+        by a window lock, and kept checkpoints' (kept) or loose pages (not kept)."""
+        mask = (node.slot(tier)[row] >= 0) & (node.window_lock == 0)
+        return mask & (node.keep[row] if kept else ~node.keep[row])
+
+    def _let_go(self, node: Node, tier: int, row: int, mask: np.ndarray, freed: Freed) -> int:
+        """Tombstone the `mask` cells of one pool row; their pages go to `freed`."""
+        slot = node.slot(tier)
+        pages = slot[row, mask]
+        slot[row, mask] = -1
+        self._held[tier][row] -= pages.size
+        freed[tier][row].append(pages)
+        return int(pages.size)
+
     def _tombstone(self, tier: int, row: int, kept: bool, want: int,
                    freed: Freed, room: SpillRoom | None) -> int:
         heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
         for node in heap.oldest(lambda n: self._has(n, tier, row, kept)):
-            slot = node.slot(tier)
-            mask = (slot[row] >= 0) & (node.window_lock == 0)
-            mask &= node.keep[row] if kept else ~node.keep[row]
+            mask = self._free_cells(node, tier, row, kept)
             if np.count_nonzero(mask):
                 if tier == DEVICE and room is not None:
                     self._spill(node, row, mask, room)
-                pages = slot[row, mask]
-                slot[row, mask] = -1
-                self._held[tier][row] -= pages.size
-                freed[tier][row].append(pages)
-                got += pages.size
+                got += self._let_go(node, tier, row, mask, freed)
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
             if node.alive and self._has(node, tier, row, kept):
