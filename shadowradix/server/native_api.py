@@ -26,7 +26,7 @@ from shadowradix.server.protocol import (
     TokenizeRequest,
     parse,
 )
-from shadowradix.server.runtime import Runtime, sse, watch_disconnect
+from shadowradix.server.runtime import Runtime, complete, sse
 
 
 def _prompts(rt: Runtime, body: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -67,12 +67,7 @@ async def generate(request: Request) -> Any:
     if body.stream:
         return StreamingResponse(_stream(gen), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    async with watch_disconnect(request, gen):
-        try:
-            async for _ in gen.events():
-                pass
-        finally:
-            gen.close()
+    await complete(request, gen)
     outs = [{"text": c.text.output, "output_ids": c.token_ids, "meta_info": _meta(gen, c)}
             for c in gen.choices]
     return JSONResponse(outs if batch or len(outs) > 1 else outs[0])

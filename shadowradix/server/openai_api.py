@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shadowradix.server.generation import Generation, options
 from shadowradix.server.protocol import ApiError, ChatRequest, CompletionRequest, Sampling, parse
-from shadowradix.server.runtime import Runtime, sse, watch_disconnect
+from shadowradix.server.runtime import Runtime, complete, sse
 
 
 def _prompts(rt: Runtime, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
@@ -66,12 +66,7 @@ async def _respond(request: Request, rt: Runtime, gen: Generation, body: Samplin
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(gen, head, chat, usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    async with watch_disconnect(request, gen):
-        try:
-            async for _ in gen.events():
-                pass
-        finally:
-            gen.close()
+    await complete(request, gen)
     choices: list[dict[str, Any]] = []
     for c in gen.choices:
         out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,10 +78,9 @@ def sse(payload: dict[str, Any]) -> bytes:
                                   separators=(",", ":")).encode() + b"\n\n"
 
 
-@asynccontextmanager
-async def watch_disconnect(request: Request, gen: Generation) -> AsyncIterator[None]:
-    """While a whole (non-streamed) answer is computed, a client that goes away aborts it.
-    (Streams need no watcher: Starlette cancels their generator on disconnect.)"""
+async def complete(request: Request, gen: Generation) -> None:
+    """Run a whole (non-streamed) answer to its end; a client that goes away meanwhile
+    aborts it. (Streams need no watcher: Starlette cancels their generator on disconnect.)"""
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -91,6 +89,8 @@ async def watch_disconnect(request: Request, gen: Generation) -> AsyncIterator[N
 
     task = asyncio.create_task(watch())
     try:
-        yield
+        async for _ in gen.events():
+            pass
     finally:
         task.cancel()
+        gen.close()
