@@ -6,13 +6,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from shadowradix.flags import (
+    checked,
+    float_range,
+    int_range,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    share,
+)
 from shadowradix.layout import LAYOUT_NAMES, named_layout
-from shadowradix.sim.simulate import POLICY_NAMES, bound_hit_rate, policy_choice, simulate
+from shadowradix.sim.simulate import (
+    POLICY_NAMES,
+    PolicyChoice,
+    bound_hit_rate,
+    policy_choice,
+    simulate,
+)
 from shadowradix.sim.trace import TraceError, load_trace
+from shadowradix.tiers.host_tier import WRITE_POLICIES
+
+T = TypeVar("T")
 
 SIMULATE_HELP = """\
 Replay a Mooncake-format trace through the real ShadowRadix tree (metadata-only
@@ -37,9 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve the bundled conversation trace through the engine "
                           "on a tiny DeepSeek-V4 and check it against transformers")
-    demo.add_argument("--requests", type=int, default=64,
+    demo.add_argument("--requests", type=positive_int, default=64,
                       help="requests: the first 4 turns of N/4 conversations of the trace")
-    demo.add_argument("--block-tokens", type=int, default=16,
+    demo.add_argument("--block-tokens", type=positive_int, default=16,
                       help="tokens per 512-token trace block (scales the trace to the CPU)")
     sim = sub.add_parser("simulate", help="capacity planning on a trace",
                          description=SIMULATE_HELP, formatter_class=argparse.RawTextHelpFormatter)
@@ -47,31 +67,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--model", default="deepseek-v4-flash",
                      help=f"{' | '.join(LAYOUT_NAMES)} | CONFIG.json")
     sim.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 | float32 | fp8")
-    sim.add_argument("--device-gb", type=float, default=40.0)
-    sim.add_argument("--host-gb", type=float, default=0.0,
+    sim.add_argument("--device-gb", type=positive_float, default=40.0)
+    sim.add_argument("--host-gb", type=non_negative_float, default=0.0,
                      help="host tier (HiCache L2) size; 0: the device alone")
-    sim.add_argument("--write-policy", default="write_through",
-                     help="write_through | write_through_selective | write_back")
-    sim.add_argument("--storage-gb", type=float, default=0.0,
+    sim.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
+                     help="what the host tier copies (with --host-gb)")
+    sim.add_argument("--storage-gb", type=float_range(0.0, infinite=True), default=0.0,
                      help="L3 store size (inf: unbounded); 0: none")
-    sim.add_argument("--page-size", type=int, default=256)
-    sim.add_argument("--checkpoint-every", type=int, default=8, metavar="K",
+    sim.add_argument("--page-size", type=positive_int, default=256)
+    sim.add_argument("--checkpoint-every", type=positive_int, default=8, metavar="K",
                      help="pages between checkpoints for the periodic policy")
-    sim.add_argument("--window-ratio", type=float, default=0.1,
-                     help="share of pages the window pool gets (SGLang: 0.1)")
-    sim.add_argument("--chunk-pages", type=int, default=32, help="prefill chunk, in pages")
+    sim.add_argument("--window-ratio", type=share, default=0.1,
+                     help="share of pages the window pool gets, in (0, 1] (SGLang: 0.1)")
+    sim.add_argument("--chunk-pages", type=positive_int, default=32,
+                     help="prefill chunk, in pages")
     sim.add_argument("--policy", default=",".join(POLICY_NAMES),
                      help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
     sim.add_argument("--sweep", default=None, metavar="device-gb=10,20,40,80",
                      help="run every policy at each device size")
     sim.add_argument("--unbounded", action="store_true", help="infinite device memory")
-    sim.add_argument("--limit", type=int, default=None, help="first N requests only")
-    sim.add_argument("--hisparse-buffer", type=int, default=None, metavar="N",
+    sim.add_argument("--limit", type=positive_int, default=None, help="first N requests only")
+    sim.add_argument("--hisparse-buffer", type=positive_int, default=None, metavar="N",
                      help="also size decoding requests with HiSparse: N C4 entries per request "
                      "and CSA layer on the device (>= index_topk + 1)")
     sim.add_argument("--context", default="16384", metavar="T[,T...]",
                      help="tokens per decoding request for --hisparse-buffer (default 16384)")
-    sim.add_argument("--index-topk", type=int, default=None, metavar="K",
+    sim.add_argument("--index-topk", type=positive_int, default=None, metavar="K",
                      help="the indexer's top-k for --hisparse-buffer (default: the model's: "
                      "V4-Flash 512, V4-Pro 1024, or config.json's)")
     sim.add_argument("--json", type=Path, default=None)
@@ -118,31 +139,33 @@ the request really ended with and a chat's next turn matches all of it.
 
 
 def _add_trace_commands(sub: Any) -> None:
-    from shadowradix.sim.synth import PROMPT_TOKENS, REPLY_TOKENS, SYSTEM_TOKENS
+    from shadowradix.sim.synth import PROMPT_TOKENS, REPLY_TOKENS, SYSTEM_TOKENS, Lengths
 
     trace = sub.add_parser("trace", help="make traces: synthetic chats, or your own chat logs",
                            description=TRACE_HELP, formatter_class=argparse.RawTextHelpFormatter)
     cmds = trace.add_subparsers(dest="trace_command", required=True)
     syn = cmds.add_parser("synth", help="multi-turn chat traffic (Poisson arrivals, shared "
                           "system prompts, lognormal lengths)")
-    syn.add_argument("--conversations", type=int, default=100)
-    syn.add_argument("--turns-min", type=int, default=1)
-    syn.add_argument("--turns-max", type=int, default=6)
-    syn.add_argument("--system-prompts", type=int, default=4, metavar="K",
+    syn.add_argument("--conversations", type=positive_int, default=100)
+    syn.add_argument("--turns-min", type=positive_int, default=1)
+    syn.add_argument("--turns-max", type=positive_int, default=6)
+    syn.add_argument("--system-prompts", type=positive_int, default=4, metavar="K",
                      help="shared system prompts, each conversation picks one")
     for name, dist, what in (("system", SYSTEM_TOKENS, "a system prompt"),
                              ("prompt", PROMPT_TOKENS, "each new user message"),
                              ("reply", REPLY_TOKENS, "each reply")):
         syn.add_argument(f"--{name}-tokens", default=f"{dist.median:g},{dist.sigma:g}",
+                         type=checked(partial(Lengths.parse, sigma=dist.sigma)),
                          metavar="MEDIAN[,SIGMA]",
-                         help=f"lognormal length of {what} (default %(default)s)")
-    syn.add_argument("--rate", type=float, default=1.0, help="conversations per second")
-    syn.add_argument("--think-time", type=float, default=60.0,
+                         help=f"lognormal length of {what}: a finite median >= 1 (at most "
+                         "--max-context) and sigma >= 0 (default %(default)s)")
+    syn.add_argument("--rate", type=positive_float, default=1.0, help="conversations per second")
+    syn.add_argument("--think-time", type=non_negative_float, default=60.0,
                      help="mean seconds between a conversation's turns (exponential)")
-    syn.add_argument("--max-context", type=int, default=131072,
+    syn.add_argument("--max-context", type=int_range(2), default=131072,
                      help="a conversation ends before a sequence would pass this")
-    syn.add_argument("--block-size", type=int, default=512, help="tokens per hash block")
-    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--block-size", type=positive_int, default=512, help="tokens per hash block")
+    syn.add_argument("--seed", type=non_negative_int, default=0)
     syn.add_argument("--prompt-only", action="store_true",
                      help="leave out sequence_hash_ids (what Mooncake's traces record)")
     syn.add_argument("-o", "--output", type=Path, required=True, help="OUT.jsonl[.gz]")
@@ -152,8 +175,9 @@ def _add_trace_commands(sub: Any) -> None:
                        '{"messages": [...], "timestamp": ms} or a list of messages')
     chats.add_argument("--tokenizer", required=True, metavar="DIR",
                        help="a model directory with a tokenizer and a chat template")
-    chats.add_argument("--block-size", type=int, default=512, help="tokens per hash block")
-    chats.add_argument("--gap-ms", type=int, default=1000,
+    chats.add_argument("--block-size", type=positive_int, default=512,
+                       help="tokens per hash block")
+    chats.add_argument("--gap-ms", type=non_negative_int, default=1000,
                        help="between conversations without a timestamp, and between turns")
     chats.add_argument("-o", "--output", type=Path, required=True, help="OUT.jsonl[.gz]")
 
@@ -164,15 +188,22 @@ def _synth(args: argparse.Namespace) -> int:
     from shadowradix.sim import synth
     from shadowradix.sim.trace import write_trace
 
-    shape = synth.ChatShape(
-        conversations=args.conversations, turns_min=args.turns_min, turns_max=args.turns_max,
-        system_prompts=args.system_prompts,
-        system_tokens=synth.Lengths.parse(args.system_tokens, synth.SYSTEM_TOKENS.sigma),
-        prompt_tokens=synth.Lengths.parse(args.prompt_tokens, synth.PROMPT_TOKENS.sigma),
-        reply_tokens=synth.Lengths.parse(args.reply_tokens, synth.REPLY_TOKENS.sigma),
-        rate=args.rate, think_time=args.think_time, max_context=args.max_context,
-        block_size=args.block_size, seed=args.seed)
-    requests = synth.synth_trace(shape)
+    try:
+        shape = synth.ChatShape(
+            conversations=args.conversations, turns_min=args.turns_min,
+            turns_max=args.turns_max, system_prompts=args.system_prompts,
+            system_tokens=args.system_tokens, prompt_tokens=args.prompt_tokens,
+            reply_tokens=args.reply_tokens, rate=args.rate, think_time=args.think_time,
+            max_context=args.max_context, block_size=args.block_size, seed=args.seed)
+        unfit = shape.unfit()
+        if unfit is not None:
+            raise unfit
+        requests = synth.synth_trace(shape)
+    except synth.ShapeError as e:
+        raise ValueError(f"--{e.field.replace('_', '-')}: {e.reason}") from None
+    if not requests:
+        raise ValueError(f"no conversation fits --max-context {args.max_context}: every "
+                         "first turn is longer; shorten the lengths or raise --max-context")
     if args.prompt_only:
         requests = [replace(r, sequence_hash_ids=None) for r in requests]
     n = write_trace(args.output, requests)
@@ -194,8 +225,6 @@ def _from_chats(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if args.requests < 1 or args.block_tokens < 1:
-        raise ValueError("--requests and --block-tokens must be >= 1")
     from shadowradix.demo import run_demo
 
     return run_demo(args.requests, args.block_tokens)
@@ -212,14 +241,13 @@ def _simulate(args: argparse.Namespace) -> int:
     requests = load_trace(args.trace, args.limit)
     if not requests:
         raise TraceError(f"{args.trace}: no requests")
-    choices = [policy_choice(n.strip(), args.checkpoint_every, args.window_ratio)
-               for n in args.policy.split(",") if n.strip()]
+    choices = _policies(args)
     sizes: list[float | None] = [None] if args.unbounded else [args.device_gb]
     if args.sweep:
         key, _, values = args.sweep.partition("=")
         if key != "device-gb" or not values:
             raise ValueError(f"--sweep takes device-gb=G1,G2,...; got {args.sweep!r}")
-        sizes = [float(v) for v in values.split(",")]
+        sizes = [_flag_value("--sweep", v, positive_float) for v in values.split(",")]
     hisparse = _hisparse(args, layout)  # checked before the replays: a bad flag fails fast
     bound = bound_hit_rate(requests, layout.page_size)
     runs: list[dict[str, Any]] = []
@@ -252,6 +280,28 @@ def _simulate(args: argparse.Namespace) -> int:
 
         plot_sweep(runs, args.plot, title=f"{layout.name} on {Path(str(args.trace)).name}")
     return 0
+
+
+def _policies(args: argparse.Namespace) -> list[PolicyChoice]:
+    """The --policy list as PolicyChoices; ValueError naming the flag for an unknown name
+    or an empty list (",")."""
+    names = [n.strip() for n in args.policy.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--policy names no policy ({args.policy!r}); use one or more of "
+                         f"{', '.join(POLICY_NAMES)}, comma-separated")
+    try:
+        return [policy_choice(n, args.checkpoint_every, args.window_ratio) for n in names]
+    except ValueError as e:
+        raise ValueError(f"--policy: {e}") from None
+
+
+def _flag_value(flag: str, text: str, parse: Callable[[str], T]) -> T:
+    """One entry of a comma-separated flag, through the same type its scalar flags use;
+    ValueError naming the flag (argparse only checks the list's flag as a whole)."""
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def _print_runs(console: Any, runs: list[dict[str, Any]], layout: str, n: int,

@@ -240,7 +240,7 @@ def test_cli_trace_synth(tmp_path, capsys):
                  "--block-size", "64", "--seed", "2", "--prompt-only",
                  "-o", str(prompt_only)]) == 0
     assert load_trace(prompt_only) == strip(trace)
-    assert main(["trace", "synth", "--turns-min", "0", "-o", str(out)]) == 2
+    assert main(["trace", "synth", "--turns-min", "3", "--turns-max", "2", "-o", str(out)]) == 2
     assert "turns need" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["trace", "--help"])

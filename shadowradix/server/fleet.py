@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from shadowradix.flags import positive_float, positive_int
 from shadowradix.server.serve import add_arguments as add_serve_arguments
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -53,12 +54,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The serve flags (every instance gets them; --host and --port are the router's,
     the instances take free ports on the same host), and the fleet's own."""
     add_serve_arguments(ap)
-    ap.add_argument("--instances", type=int, default=2, help="servers to start")
+    ap.add_argument("--instances", type=positive_int, default=2, help="servers to start")
     ap.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES)
     ap.add_argument("--router-args", default="", metavar="'FLAGS'",
                     help="more sglang-router flags, one quoted string "
                     "(e.g. '--health-check-interval-secs 10')")
-    ap.add_argument("--start-timeout", type=float, default=600.0,
+    ap.add_argument("--start-timeout", type=positive_float, default=600.0,
                     help="seconds each instance and the router may take to become healthy")
 
 

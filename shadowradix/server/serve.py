@@ -19,34 +19,47 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the command line parses its arguments without importing torch
     from shadowradix.server.runtime import Runtime
 
+from shadowradix.flags import checked, non_negative_float, non_negative_int, port, positive_int
+from shadowradix.tiers.host_tier import WRITE_POLICIES
+from shadowradix.tree.policy import named_policy
+
 log = logging.getLogger("shadowradix.server")
 DTYPES = ("float32", "bfloat16")
 
 
+def _policy_name(name: str) -> str:
+    """--policy's value, checked while parsing (ValueError naming the choices)."""
+    named_policy(name)
+    return name
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The serve flags. Every numeric one is range-checked as it is parsed (exit 2, one
+    line naming the flag), before any model loads."""
     ap.add_argument("--model", required=True, help="tiny (the demo's random DeepSeek-V4, "
                     "nothing downloaded) or a Hugging Face checkpoint directory")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000, help="0: any free port (printed)")
-    ap.add_argument("--page-size", type=int, default=None,
+    ap.add_argument("--port", type=port, default=30000, help="0: any free port (printed)")
+    ap.add_argument("--page-size", type=positive_int, default=None,
                     help="tokens per page (default: 16 for tiny, 256 otherwise)")
-    ap.add_argument("--device-tokens", type=int, default=None,
+    ap.add_argument("--device-tokens", type=positive_int, default=None,
                     help="L1 capacity in tokens (default: 2048 pages)")
-    ap.add_argument("--window-tokens", type=int, default=None,
+    ap.add_argument("--window-tokens", type=positive_int, default=None,
                     help="sliding-window pool size in tokens (default: --device-tokens)")
-    ap.add_argument("--state-tokens", type=int, default=None,
+    ap.add_argument("--state-tokens", type=positive_int, default=None,
                     help="compressor-state pool in tokens (default: --device-tokens)")
-    ap.add_argument("--host-tokens", type=int, default=0, help="L2 capacity; 0: no host tier")
-    ap.add_argument("--write-policy", default="write_through",
-                    help="write_through | write_through_selective | write_back")
+    ap.add_argument("--host-tokens", type=non_negative_int, default=0,
+                    help="L2 capacity; 0: no host tier")
+    ap.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
+                    help="what the host tier copies (with --host-tokens)")
     ap.add_argument("--storage", default=None, help="L3: file:///DIR or redis://HOST:PORT/DB")
-    ap.add_argument("--hisparse-buffer", type=int, default=None, metavar="N",
+    ap.add_argument("--hisparse-buffer", type=positive_int, default=None, metavar="N",
                     help="HiSparse: N C4 entries per request and CSA layer stay on the device "
                     "(>= index_topk + 1); the C4 history lives in host memory")
-    ap.add_argument("--hisparse-requests", type=int, default=None, metavar="R",
+    ap.add_argument("--hisparse-requests", type=positive_int, default=None, metavar="R",
                     help="HiSparse: sets of hot buffers on the device, the most requests "
                     "running at once (default: what the device C4 pool's bytes would hold)")
-    ap.add_argument("--policy", default="shadowradix",
+    ap.add_argument("--policy", default="shadowradix", type=checked(_policy_name),
                     help="resume points the cache keeps: shadowradix (the default), end-only, "
                     "periodic-K, eager-swa, no-shadows")
     ap.add_argument("--disable-prefix-cache", action="store_true",
@@ -55,12 +68,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "(/health and /metrics stay open)")
     ap.add_argument("--served-model-name", default=None,
                     help="the model id clients send (default: tiny or the directory name)")
-    ap.add_argument("--max-queue", type=int, default=None,
+    ap.add_argument("--max-queue", type=positive_int, default=None,
                     help="most requests waiting for admission; more get 503 (default: no cap)")
-    ap.add_argument("--step-tokens", type=int, default=512, help="tokens one engine step feeds")
+    ap.add_argument("--step-tokens", type=positive_int, default=512,
+                    help="tokens one engine step feeds")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype")
-    ap.add_argument("--drain-timeout", type=float, default=30.0,
+    ap.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                     help="seconds a shutdown waits for requests in flight before aborting")
 
 
@@ -77,8 +91,9 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
                          f"(no config.json there)")
     if args.max_queue is not None and args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-    page = args.page_size or (16 if tiny else 256)
-    config = CacheConfig(page_size=page, device_tokens=args.device_tokens or 2048 * page,
+    page = args.page_size if args.page_size is not None else (16 if tiny else 256)
+    device = args.device_tokens if args.device_tokens is not None else 2048 * page
+    config = CacheConfig(page_size=page, device_tokens=device,
                          window_tokens=args.window_tokens, state_tokens=args.state_tokens,
                          host_tokens=args.host_tokens,
                          write_policy=args.write_policy, storage=args.storage,

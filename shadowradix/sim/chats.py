@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from shadowradix.sim.trace import DenseIds, TraceError, TraceRequest, chain_hashes
+from shadowradix.sim.trace import (
+    DenseIds,
+    TraceError,
+    TraceRequest,
+    chain_hashes,
+    json_ms,
+    read_lines,
+)
 
 Message = dict[str, Any]
 
@@ -72,15 +79,8 @@ class _HFTemplate:
 
 def load_chats(path: str | Path) -> list[Chat]:
     """The conversations of a chat log; raises TraceError naming the line of a bad one."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"chat log {path} does not exist")
-    chats = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                chats.append(_parse_chat(line, f"{path}:{lineno}"))
-    return chats
+    return [_parse_chat(line, f"{path}:{lineno}")
+            for lineno, line in read_lines(path, "chat log") if line.strip()]
 
 
 def _parse_chat(line: str, where: str) -> Chat:
@@ -94,9 +94,17 @@ def _parse_chat(line: str, where: str) -> Chat:
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise TraceError(f"{where}: a conversation is {{\"messages\": [...]}} or a list of "
                          "messages, each with a \"role\"")
-    if timestamp is not None and not isinstance(timestamp, int | float):
-        raise TraceError(f"{where}: timestamp must be a number of milliseconds")
-    return Chat(messages, None if timestamp is None else int(timestamp))
+    for k, m in enumerate(messages):
+        try:  # the tokenizer takes Unicode text only: a lone surrogate (\ud800) is not
+            json.dumps(m, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end].encode("unicode_escape").decode()
+            raise TraceError(f"{where}: message {k} is not valid Unicode text (a lone "
+                             f"surrogate {bad})") from None
+    try:
+        return Chat(messages, None if timestamp is None else json_ms(timestamp, "timestamp"))
+    except ValueError as e:
+        raise TraceError(f"{where}: {e}") from None
 
 
 def chat_requests(chats: Sequence[Chat], template: ChatTemplate, block_size: int = 512,

@@ -8,9 +8,11 @@ engine, its copies counted instead of made.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 from shadowradix.layout.spec import KVLayout
@@ -18,7 +20,7 @@ from shadowradix.sim.replay import CountingMover, replay
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget, pages_for_shared_budget
 from shadowradix.sim.storage import SimStorage
 from shadowradix.sim.trace import TraceRequest
-from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.host_tier import WRITE_POLICIES, HostTier
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.policy import ALIASES, POLICIES, CheckpointPolicy, periodic
 from shadowradix.tree.tier import DEVICE, HOST
@@ -45,7 +47,12 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
     "adaptive" is its old name). The static settings, for comparison: end-only (sequence
     ends and branch points, the old default), periodic (+ a checkpoint every K pages),
     eager SWA release (SGLang), no shadows (a conventional radix cache that keeps the
-    window for every token)."""
+    window for every token). ValueError for an unknown name, checkpoint_every < 1 or a
+    window_ratio outside (0, 1] (0 is not "the shared budget": that is the default's)."""
+    if not _is_int(checkpoint_every) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+    if not 0 < window_ratio <= 1:  # False for nan
+        raise ValueError(f"window_ratio must be in (0, 1], got {window_ratio!r}")
     name = ALIASES.get(name, name)
     if name == "periodic":
         return PolicyChoice(f"periodic-{checkpoint_every}", periodic(checkpoint_every),
@@ -61,13 +68,40 @@ def make_cache(layout: KVLayout, choice: PolicyChoice, device_bytes: float,
     """The metadata-only cache a choice gets at these byte sizes: fixed pools split by its
     window_ratio, or (window_ratio None, device alone) pools that share one budget.
     With a host tier a shared-budget choice splits at SHARED_FALLBACK_RATIO instead."""
-    ratio = choice.window_ratio or (SHARED_FALLBACK_RATIO if host_bytes else None)
+    ratio = _window_ratio(choice, bool(host_bytes))
     host = pages_for_budget(layout, host_bytes, ratio or 1.0) if host_bytes else None
     if ratio is None:
         return PrefixCache(layout, pages_for_shared_budget(layout, device_bytes), choice.policy,
                            budget=int(device_bytes))
     return PrefixCache(layout, pages_for_budget(layout, device_bytes, ratio), choice.policy,
                        host_pages=host)
+
+
+def _window_ratio(choice: PolicyChoice, host: bool) -> float | None:
+    """The window share a choice's pools split at. A shared budget (None) needs the device
+    alone; with a host tier its pools split as SGLang's."""
+    if choice.window_ratio is not None:
+        return choice.window_ratio
+    return SHARED_FALLBACK_RATIO if host else None
+
+
+def _check_sizes(device_gb: float | None, host_gb: float, storage_gb: float,
+                 write_policy: str) -> None:
+    """ValueError for a size that is not a number of GB (NaN; infinity where only storage
+    takes it) or a write policy the host tier would refuse, whether or not a host runs."""
+    if device_gb is not None and not 0 < device_gb < math.inf:
+        raise ValueError(f"device_gb must be a finite number > 0, got {device_gb!r}")
+    if not 0 <= host_gb < math.inf:
+        raise ValueError(f"host_gb must be a finite number >= 0, got {host_gb!r}")
+    if not storage_gb >= 0:
+        raise ValueError(f"storage_gb must be >= 0 (inf: unbounded), got {storage_gb!r}")
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got "
+                         f"{write_policy!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def bound_hit_rate(requests: Sequence[TraceRequest], page_size: int) -> float:
@@ -102,10 +136,8 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     """One replay; `device_gb=None` means unbounded memory; `host_gb` > 0 adds a host
     tier of that size (pools split like the device's); `storage_gb` > 0 an L3 store of
     that size (inf: unbounded). Returns the JSON record."""
-    if host_gb < 0:
-        raise ValueError(f"host_gb must be >= 0, got {host_gb}")
-    # A shared budget needs the device alone; with a host tier the pools split as SGLang's.
-    ratio = choice.window_ratio or (SHARED_FALLBACK_RATIO if host_gb else None)
+    _check_sizes(device_gb, host_gb, storage_gb, write_policy)
+    ratio = _window_ratio(choice, bool(host_gb))
     if device_gb is None:
         tokens = sum(r.input_length + r.output_length for r in requests) + layout.page_size
         pages = {p.name: -(-tokens // layout.page_size) + 1 for p in layout.pools}
@@ -118,8 +150,6 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     host_pages = bool(cache.host_pools)
     mover = CountingMover()
     host = HostTier(cache, mover, write_policy) if host_pages else None  # type: ignore[arg-type]
-    if storage_gb < 0:
-        raise ValueError(f"storage_gb must be >= 0, got {storage_gb}")
     store = None
     if storage_gb:
         store = SimStorage(cache, None if storage_gb == float("inf") else storage_gb * GB)

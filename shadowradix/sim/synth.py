@@ -13,6 +13,7 @@ replayed like any other. Deterministic given the seed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,31 +21,47 @@ import numpy as np
 from shadowradix.sim.trace import BLOCK_TOKENS, DenseIds, TraceRequest, chain_hashes
 
 
+class ShapeError(ValueError):
+    """A ChatShape or Lengths value out of range; `field` names it (the command line
+    turns it into its flag: system_tokens -> --system-tokens)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Lengths:
     """Lognormal token counts: half fall below `median`; `sigma` is the spread of the
-    log-length (0.5: 90% within 0.44x-2.3x the median; 1.0: within 0.19x-5.2x)."""
+    log-length (0.5: 90% within 0.44x-2.3x the median; 1.0: within 0.19x-5.2x).
+    Both finite: an infinite median or sigma would sample nothing meaningful."""
 
     median: float
     sigma: float
 
     def __post_init__(self) -> None:
-        if not self.median >= 1 or not self.sigma >= 0:
-            raise ValueError(f"lengths need median >= 1 and sigma >= 0, got {self}")
+        if not (math.isfinite(self.median) and self.median >= 1):
+            raise ValueError(f"the median must be a finite number >= 1, got {self.median:g}")
+        if not (math.isfinite(self.sigma) and self.sigma >= 0):
+            raise ValueError(f"sigma must be a finite number >= 0, got {self.sigma:g}")
 
     @classmethod
     def parse(cls, text: str, sigma: float) -> Lengths:
-        """From "MEDIAN" (with the given sigma) or "MEDIAN,SIGMA"."""
+        """From "MEDIAN" (with the given sigma) or "MEDIAN,SIGMA"; ValueError saying why."""
         median, _, spread = text.partition(",")
         try:
-            return cls(float(median), float(spread) if spread else sigma)
+            values = float(median), float(spread) if spread else sigma
         except ValueError:
             raise ValueError(f"token lengths take MEDIAN or MEDIAN,SIGMA; got {text!r}") from None
+        return cls(*values)
 
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """n token counts, each at least 1."""
+    def sample(self, rng: np.random.Generator, n: int, cap: int) -> np.ndarray:
+        """n token counts in [1, cap]. The cap only clips draws (it changes no other draw),
+        so a caller that stops at counts >= cap sees the same result as without it, and a
+        long tail never allocates a prompt past it."""
         x = rng.lognormal(np.log(self.median), self.sigma, n)
-        return np.maximum(1, np.rint(x)).astype(np.int64)
+        return np.clip(np.rint(np.minimum(x, cap)), 1, cap).astype(np.int64)
 
 
 # Defaults: a system prompt of a few thousand tokens (instructions, tools); user messages
@@ -73,15 +90,37 @@ class ChatShape:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.conversations < 1 or self.system_prompts < 1:
-            raise ValueError("conversations and system prompts must be >= 1")
-        if not 1 <= self.turns_min <= self.turns_max:
-            raise ValueError(f"turns need 1 <= min <= max, got {self.turns_min}, "
+        """Raises ShapeError naming the first field out of range."""
+        for name in ("conversations", "system_prompts", "block_size", "turns_min"):
+            if getattr(self, name) < 1:
+                raise ShapeError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ShapeError("seed", f"must be >= 0, got {self.seed}")
+        if self.max_context < 2:
+            raise ShapeError("max_context", f"must be >= 2, got {self.max_context}")
+        if self.turns_max < self.turns_min:
+            raise ShapeError("turns_max", f"turns need 1 <= min <= max, got {self.turns_min}, "
                              f"{self.turns_max}")
-        if not self.rate > 0 or not self.think_time >= 0:
-            raise ValueError("rate must be > 0 and think time >= 0")
-        if self.block_size < 1 or self.max_context < 2:
-            raise ValueError("block size must be >= 1 and max context >= 2")
+        if not (math.isfinite(self.rate) and self.rate > 0):
+            raise ShapeError("rate", f"must be a finite number > 0, got {self.rate:g}")
+        if not (math.isfinite(self.think_time) and self.think_time >= 0):
+            raise ShapeError("think_time", f"must be a finite number >= 0, got "
+                             f"{self.think_time:g}")
+
+    def unfit(self) -> ShapeError | None:
+        """A shape that is valid but mostly empty: a median length past max_context ends
+        most conversations before their first turn, and more turns than max_context // 2
+        (each takes >= 2 tokens) can never all fit. None when neither."""
+        for name in ("system_tokens", "prompt_tokens", "reply_tokens"):
+            median = getattr(self, name).median
+            if median > self.max_context:
+                return ShapeError(name, f"median {median:g} tokens is past max_context "
+                                  f"{self.max_context}: most conversations would end before "
+                                  "their first turn")
+        if self.turns_max > self.max_context // 2:
+            return ShapeError("turns_max", f"{self.turns_max} turns of >= 2 tokens each cannot "
+                              f"fit max_context {self.max_context}")
+        return None
 
 
 @dataclass(frozen=True)
@@ -101,8 +140,12 @@ def synth_conversations(shape: ChatShape) -> list[list[TraceRequest]]:
     """Each conversation's requests, turn by turn. Block ids are numbered by first
     appearance in time order, as in `synth_trace`."""
     rng = np.random.default_rng(shape.seed)
-    systems = shape.system_tokens.sample(rng, shape.system_prompts)
-    starts = np.cumsum(rng.exponential(1.0 / shape.rate, shape.conversations)) * 1000.0
+    systems = shape.system_tokens.sample(rng, shape.system_prompts, shape.max_context + 1)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        starts = np.cumsum(rng.exponential(1.0 / shape.rate, shape.conversations)) * 1000.0
+    if not np.isfinite(starts[-1]):
+        raise ShapeError("rate", f"{shape.rate:g} per second puts arrivals past any "
+                         "timestamp; use a larger rate")
     turns: list[_Turn] = []
     next_segment = shape.system_prompts  # segments 0..K-1 are the system prompts
     for c in range(shape.conversations):
@@ -138,10 +181,15 @@ def _conversation(shape: ChatShape, rng: np.random.Generator, c: int, start_ms: 
     no other)."""
     system = int(rng.integers(shape.system_prompts))
     n = int(rng.integers(shape.turns_min, shape.turns_max + 1))
-    users = shape.prompt_tokens.sample(rng, n)
-    replies = shape.reply_tokens.sample(rng, n)
-    times = start_ms + np.concatenate([[0.0], np.cumsum(rng.exponential(shape.think_time, n - 1)
-                                                        * 1000.0)])
+    cap = shape.max_context + 1  # a longer message ends the conversation all the same
+    users = shape.prompt_tokens.sample(rng, n, cap)
+    replies = shape.reply_tokens.sample(rng, n, cap)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        gaps = rng.exponential(shape.think_time, n - 1) * 1000.0
+    times = start_ms + np.concatenate([[0.0], np.cumsum(gaps)])
+    if not np.isfinite(times[-1]):
+        raise ShapeError("think_time", f"{shape.think_time:g} s puts turns past any "
+                         "timestamp; use a shorter think time")
     pieces = [_segment(system, int(systems[system]))]
     turns: list[_Turn] = []
     bs = shape.block_size

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from numbers import Integral
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,7 +50,8 @@ def _expand(ids: Sequence[int], block_size: int, length: int,
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request. Construction checks the chains (ValueError), so every instance can be
+    """One request. Construction checks that every field is an integer (a bool or a float
+    is refused, not truncated) and the chains (ValueError), so every instance can be
     expanded into tokens; a trace reader turns that into a TraceError naming the line."""
 
     timestamp: int
@@ -124,8 +128,19 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def _is_int(x: object) -> bool:
+    """An integer, numpy's included; not a bool (True is not the integer 1 here)."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
 def _problem(req: TraceRequest) -> str | None:
     """What makes `req` invalid, or None."""
+    for name in ("timestamp", "input_length", "output_length", "block_size"):
+        if not _is_int(getattr(req, name)):
+            return f"{name} must be an integer, got {getattr(req, name)!r}"
+    ids = (*req.hash_ids, *(req.sequence_hash_ids or ()))
+    if not (all(type(h) is int for h in ids) or all(map(_is_int, ids))):
+        return "hash_ids and sequence_hash_ids must be integers"
     bs = req.block_size
     if bs < 1:
         return f"block_size must be >= 1, got {bs}"
@@ -151,41 +166,94 @@ def _problem(req: TraceRequest) -> str | None:
     return None
 
 
+def json_int(value: Any, what: str) -> int:
+    """An integer field of a JSON line. A float is accepted only without a fraction (1e3):
+    10.7 is not silently 10; JSON true is not 1; a string, Infinity or 1e400 is refused."""
+    if type(value) is int:
+        return value
+    if isinstance(value, float) and value.is_integer():  # False for inf and nan
+        return int(value)
+    raise ValueError(f"{what} must be an integer, got {json.dumps(value)}")
+
+
+def json_ms(value: Any, what: str) -> int:
+    """A timestamp field in milliseconds: any finite number (not a bool), rounded to the
+    millisecond; Infinity, NaN or 1e400 is refused instead of overflowing later."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number of milliseconds, got "
+                         f"{json.dumps(value)}")
+    return round(value)
+
+
+def json_ids(value: Any, what: str) -> tuple[int, ...]:
+    """A list of block ids. A string is refused, not iterated ("12" is not [1, 2])."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of integers, got {json.dumps(value)[:40]}")
+    if all(type(h) is int for h in value):  # the common case, checked in one pass
+        return tuple(value)
+    return tuple(json_int(h, f"{what}[{i}]") for i, h in enumerate(value))
+
+
 def _parse(line: str, where: str) -> TraceRequest:
     try:
         d = json.loads(line)
+        if not isinstance(d, dict):
+            raise ValueError("a trace line is a JSON object")
         seq = d.get("sequence_hash_ids")
-        fields = (int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                  tuple(int(h) for h in d["hash_ids"]), int(d.get("block_size", BLOCK_TOKENS)),
-                  None if seq is None else tuple(int(h) for h in seq))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise TraceError(f"{where}: not a trace request ({type(e).__name__}: {e})") from None
+        fields = (json_ms(d["timestamp"], "timestamp"),
+                  json_int(d["input_length"], "input_length"),
+                  json_int(d["output_length"], "output_length"),
+                  json_ids(d["hash_ids"], "hash_ids"),
+                  json_int(d.get("block_size", BLOCK_TOKENS), "block_size"),
+                  None if seq is None else json_ids(seq, "sequence_hash_ids"))
+    except KeyError as e:
+        raise TraceError(f"{where}: not a trace request (no {e} field)") from None
+    except ValueError as e:
+        raise TraceError(f"{where}: not a trace request ({e})") from None
     try:
         return TraceRequest(*fields)
     except ValueError as e:
         raise TraceError(f"{where}: {e}") from None
 
 
+def read_lines(path: str | Path, what: str = "trace") -> Iterator[tuple[int, str]]:
+    """(line number, line) of a .jsonl or .jsonl.gz file. Raises TraceError naming the line
+    for bytes that are not UTF-8, and the last line read when the file cannot be read to
+    its end (a truncated or corrupt .gz), instead of EOFError or zlib.error."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    lineno = 0
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
+        try:
+            for lineno, raw in enumerate(f, 1):
+                yield lineno, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{path}:{lineno}: not UTF-8 text ({e})") from None
+        except (EOFError, OSError, zlib.error) as e:
+            after = f"after line {lineno}" if lineno else "at its start"
+            raise TraceError(f"{path}:{lineno + 1}: cannot read the {what} {after} "
+                             f"({type(e).__name__}: {e}); is it a truncated or corrupt "
+                             "file?") from None
+
+
 def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     """Requests in file order. Reads .jsonl or .jsonl.gz. Raises TraceError naming the line,
     also when a line's block_size differs from the first line's (one trace, one block size:
-    ids of different block sizes cannot name the same tokens)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"trace {path} does not exist")
+    ids of different block sizes cannot name the same tokens), and when the file cannot be
+    read to its end."""
     block_size = None
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                req = _parse(line, f"{path}:{lineno}")
-                if block_size is None:
-                    block_size = req.block_size
-                elif req.block_size != block_size:
-                    raise TraceError(f"{path}:{lineno}: block_size {req.block_size} differs "
-                                     f"from the earlier lines' {block_size}; a trace has one "
-                                     "block size")
-                yield req
+    for lineno, line in read_lines(path):
+        if line.strip():
+            req = _parse(line, f"{path}:{lineno}")
+            if block_size is None:
+                block_size = req.block_size
+            elif req.block_size != block_size:
+                raise TraceError(f"{path}:{lineno}: block_size {req.block_size} differs "
+                                 f"from the earlier lines' {block_size}; a trace has one "
+                                 "block size")
+            yield req
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
