@@ -38,14 +38,13 @@ class ServerThread:
         import uvicorn
 
         from shadowradix.server.app import build_app
+        from shadowradix.server.connections import uvicorn_config
 
         self.runtime = runtime
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(build_app(runtime), log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(build_app(runtime), runtime.limits, 5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
         self.thread.start()

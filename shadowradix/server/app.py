@@ -1,12 +1,15 @@
-"""The FastAPI app: routes, the API-key gate, X-Request-Id, and errors in OpenAI's shape.
+"""The FastAPI app: routes, the API-key gate, X-Request-Id, body limits, and errors in
+OpenAI's shape.
 
 Every error a client can cause is an HTTP 4xx with `{"error": {"message", "type",
 "param", "code"}}`; FastAPI's own 404/405 are reshaped the same way, and an unexpected
-exception is a 500 in that shape (logged), never a bare traceback.
+exception is a 500 in that shape (logged), never a bare traceback. Every response, 500s
+included, carries X-Request-Id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -27,15 +30,27 @@ from shadowradix.server.runtime import Runtime
 
 log = logging.getLogger("shadowradix.server")
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed (probes and Prometheus)
+CLOSE = {"Connection": "close"}  # after a refusal that leaves the body unread
 
 
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def bearer_token(value: bytes) -> bytes | None:
+    """The token of `Authorization: Bearer TOKEN`; the scheme in any case (RFC 9110),
+    whitespace around either part ignored. None for another scheme or no token."""
+    parts = value.split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != b"bearer":
+        return None
+    return parts[1].strip()
+
+
 class Gate:
-    """Pure ASGI (so streams and disconnects pass untouched): echoes or assigns
-    X-Request-Id on every response, and checks `Authorization: Bearer KEY`."""
+    """Pure ASGI (so streams and disconnects pass untouched), around everything else, the
+    error middleware included: echoes or assigns X-Request-Id on every response, checks
+    `Authorization: Bearer KEY`, and answers a request that the shutdown cut off (uvicorn
+    cancels what outlasts --drain-timeout) with a 503 in OpenAI's shape."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
@@ -47,20 +62,116 @@ class Gate:
             return
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+        started = False
 
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
 
-        if self.key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
-                err = ApiError("invalid or missing API key (Authorization: Bearer KEY)",
-                               status=401, code="invalid_api_key")
-                await error_response(err)(scope, receive, send_with_id)
-                return
-        await self.app(scope, receive, send_with_id)
+        if not self.allows(scope["path"], headers.get(b"authorization", b"")):
+            err = ApiError("invalid or missing API key (Authorization: Bearer KEY)",
+                           status=401, code="invalid_api_key")
+            await error_response(err)(scope, receive, send_with_id)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except asyncio.CancelledError:
+            if started:  # a stream: the status line is gone, the connection just ends
+                raise
+            # Only uvicorn's shutdown cancels a request; answering completes it.
+            log.warning("%s %s: cut off by the shutdown", scope["method"], scope["path"])
+            err = ApiError("the server is shutting down: this request outlasted its drain "
+                           "timeout (--drain-timeout) and was aborted", status=503,
+                           code="shutting_down", type="server_error", headers=CLOSE)
+            await error_response(err)(scope, receive, send_with_id)
+
+    def allows(self, path: str, authorization: bytes) -> bool:
+        if self.key is None or path in OPEN_PATHS:
+            return True
+        token = bearer_token(authorization)
+        return token is not None and hmac.compare_digest(token, self.key)
+
+
+class BodyReader:
+    """Pure ASGI: reads a request's whole body before the app runs, so a body over
+    `limit()` bytes is refused with 413 as soon as it is declared or read that far (never
+    held whole), and one that stalls for `timeout` seconds between chunks gets 408. The
+    app then receives it as one message (and later messages, a disconnect, as they come)."""
+
+    def __init__(self, app: ASGIApp, limit: Callable[[], int], timeout: float) -> None:
+        self.app = app
+        self.limit = limit
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit()
+        try:
+            body = await self.read(scope, receive, limit)
+        except ApiError as e:
+            await error_response(e)(scope, receive, send)
+            return
+        if body is None:  # the client left before its body arrived: no one to answer
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def read(self, scope: Scope, receive: Receive, limit: int) -> bytes | None:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            raise self.too_large(limit)
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                raise ApiError(f"the request body stalled for {self.timeout:g} s "
+                               f"(--read-timeout)", status=408, code="request_timeout",
+                               headers=CLOSE) from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise self.too_large(limit)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    @staticmethod
+    def too_large(limit: int) -> ApiError:
+        return ApiError(f"the request body is over {limit} bytes, the most this server takes "
+                        f"(--max-body-bytes)", status=413, code="request_too_large",
+                        headers=CLOSE)
+
+
+class App(FastAPI):
+    """FastAPI whose outermost layers are the Gate and the BodyReader: outside the error
+    middleware, so its 500s get X-Request-Id too, and no route reads an unchecked body."""
+
+    def __init__(self, runtime: Runtime, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.state.runtime = runtime
+
+    def build_middleware_stack(self) -> ASGIApp:
+        rt: Runtime = self.state.runtime
+        inner = BodyReader(super().build_middleware_stack(), rt.body_limit,
+                           rt.limits.read_timeout)
+        return Gate(inner, rt.api_key)
 
 
 def build_app(runtime: Runtime) -> FastAPI:
@@ -76,9 +187,8 @@ def build_app(runtime: Runtime) -> FastAPI:
         finally:
             runtime.loop.stop()
 
-    app = FastAPI(title="shadowradix", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
-    app.state.runtime = runtime
+    app = App(runtime, title="shadowradix", lifespan=lifespan, docs_url=None, redoc_url=None,
+              openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -133,5 +243,4 @@ def build_app(runtime: Runtime) -> FastAPI:
         app.add_api_route(path, loaded(handler), methods=["POST"])
     for path, get in info_api.ROUTES:  # what SGLang's router asks a worker
         app.add_api_route(path, loaded(get), methods=["GET"])
-    app.add_middleware(Gate, api_key=runtime.api_key)
     return app

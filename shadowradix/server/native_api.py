@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shadowradix.engine.cache_control import TIERS
@@ -24,7 +23,6 @@ from shadowradix.server.protocol import (
     DetokenizeRequest,
     GenerateRequest,
     TokenizeRequest,
-    parse,
 )
 from shadowradix.server.runtime import Runtime, complete, sse
 
@@ -34,9 +32,9 @@ def _prompts(rt: Runtime, body: GenerateRequest) -> tuple[list[list[int]], bool]
     if (body.text is None) == (body.input_ids is None):
         raise ApiError("give exactly one of text and input_ids", param="text")
     if isinstance(body.text, str):
-        return [rt.encode(body.text)], False
+        return [rt.encode(body.text, param="text")], False
     if body.text is not None:
-        return [rt.encode(t) for t in body.text], True
+        return [rt.encode(t, param="text") for t in body.text], True
     ids = body.input_ids
     assert ids is not None
     if ids and isinstance(ids[0], list):
@@ -59,8 +57,8 @@ def _meta(gen: Generation, c: Choice) -> dict[str, Any]:
 
 async def generate(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    body = parse(GenerateRequest, await request.body())
-    prompts, batch = await run_in_threadpool(_prompts, rt, body)
+    body = await rt.parse(GenerateRequest, request)
+    prompts, batch = await rt.off_loop(_prompts, rt, body)
     sp = body.sampling_params
     gen = rt.generation(prompts, options(sp, sp.max_new_tokens, sp.sampling_seed))
     await gen.start()
@@ -108,20 +106,29 @@ async def flush_cache(request: Request) -> Any:
     return JSONResponse({"flushed": flushed})
 
 
-async def tokenize(request: Request) -> Any:
-    rt: Runtime = request.app.state.runtime
-    body = parse(TokenizeRequest, await request.body())
+def _tokens(rt: Runtime, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        ids = rt.chat_prompt([m.as_dict() for m in body.messages], body.add_generation_prompt)
-    else:
-        assert body.prompt is not None
-        ids = rt.encode(body.prompt, body.add_special_tokens)
+        return rt.chat_prompt([m.as_dict() for m in body.messages], body.add_generation_prompt)
+    assert body.prompt is not None
+    return rt.encode(body.prompt, body.add_special_tokens)
+
+
+async def tokenize(request: Request) -> Any:
+    """Tokenized on the tokenizer threads, as prompts are: a long text never stalls the
+    event loop (nor /health)."""
+    rt: Runtime = request.app.state.runtime
+    body = await rt.parse(TokenizeRequest, request)
+    ids = await rt.off_loop(_tokens, rt, body)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": rt.max_len})
+
+
+def _text(rt: Runtime, tokens: list[int]) -> str:
+    return str(rt.tokenizer.decode(rt.check_ids(tokens, "tokens")))
 
 
 async def detokenize(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    body = parse(DetokenizeRequest, await request.body())
-    return JSONResponse({"prompt": rt.tokenizer.decode(rt.check_ids(body.tokens, "tokens"))})
+    body = await rt.parse(DetokenizeRequest, request)
+    return JSONResponse({"prompt": await rt.off_loop(_text, rt, body.tokens)})

@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shadowradix.server.generation import Generation, options
-from shadowradix.server.protocol import ApiError, ChatRequest, CompletionRequest, Sampling, parse
+from shadowradix.server.protocol import ApiError, ChatRequest, CompletionRequest, Sampling
 from shadowradix.server.runtime import Runtime, complete, sse
 
 
@@ -39,18 +38,18 @@ def _prompts(rt: Runtime, prompt: str | list[str] | list[int] | list[list[int]])
 
 async def completions(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    body = parse(CompletionRequest, await request.body())
+    body = await rt.parse(CompletionRequest, request)
     rt.check_model(body.model)
-    prompts = await run_in_threadpool(_prompts, rt, body.prompt)
+    prompts = await rt.off_loop(_prompts, rt, body.prompt)
     gen = rt.generation(prompts, options(body, body.max_tokens, body.seed))
     return await _respond(request, rt, gen, body, chat=False)
 
 
 async def chat_completions(request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    body = parse(ChatRequest, await request.body())
+    body = await rt.parse(ChatRequest, request)
     rt.check_model(body.model)
-    prompt = await run_in_threadpool(rt.chat_prompt, [m.as_dict() for m in body.messages])
+    prompt = await rt.off_loop(rt.chat_prompt, [m.as_dict() for m in body.messages])
     gen = rt.generation([prompt], options(body, body.limit, body.seed))
     return await _respond(request, rt, gen, body, chat=True)
 

@@ -9,9 +9,11 @@ problem becomes an `ApiError` that the app turns into the OpenAI error shape
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+MAX_CHOICES = 1024  # prompts x n one request may ask for (serve --max-choices)
 
 
 class ApiError(Exception):
@@ -30,8 +32,23 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
+class Asked(NamedTuple):
+    """How many choices a raw body asks for (prompts x n), and the fields that say so."""
+
+    prompts: int
+    n: Any  # as sent: its own validation says what is wrong with a bad one
+    prompt_param: str
+    n_param: str = "n"
+
+
 class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @classmethod
+    def asked(cls, data: dict[str, Any]) -> Asked | None:
+        """The choices a raw (unvalidated) body asks for; None: it generates nothing."""
+        return None
+
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -84,6 +101,10 @@ class CompletionRequest(Sampling):
     logprobs: Literal[0] | None = None
     suffix: Literal[""] | None = None
 
+    @classmethod
+    def asked(cls, data: dict[str, Any]) -> Asked | None:
+        return Asked(_count(data.get("prompt")), data.get("n", 1), "prompt")
+
 
 class TextPart(Body):
     type: Literal["text"]
@@ -116,6 +137,10 @@ class ChatRequest(Sampling):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @classmethod
+    def asked(cls, data: dict[str, Any]) -> Asked | None:
+        return Asked(1, data.get("n", 1), "messages")
+
 
 class GenerateSampling(Decoding):
     """SGLang's `sampling_params`."""
@@ -130,6 +155,13 @@ class GenerateRequest(Body):
     sampling_params: GenerateSampling = GenerateSampling()
     stream: bool = False
     rid: str | list[str] | None = None
+
+    @classmethod
+    def asked(cls, data: dict[str, Any]) -> Asked | None:
+        sampling = data.get("sampling_params")
+        n = sampling.get("n", 1) if isinstance(sampling, dict) else 1
+        field = "input_ids" if data.get("text") is None else "text"
+        return Asked(_count(data.get(field)), n, field, "sampling_params.n")
 
 
 class TokenizeRequest(Body):
@@ -146,14 +178,17 @@ class DetokenizeRequest(Body):
 B = TypeVar("B", bound=BaseModel)
 
 
-def parse(cls: type[B], raw: bytes) -> B:
-    """The body as `cls`, or ApiError(400) naming the first field that is wrong."""
+def parse(cls: type[B], raw: bytes, max_choices: int = MAX_CHOICES) -> B:
+    """The body as `cls`, or ApiError(400) naming the first field that is wrong. A body
+    asking for more than `max_choices` choices is refused before it is validated."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError("the body must be a JSON object", code="invalid_json")
+    if issubclass(cls, Body):
+        check_choices(cls.asked(data), max_choices)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -163,6 +198,31 @@ def parse(cls: type[B], raw: bytes) -> B:
         raise ApiError(f"{field or 'body'}: {err['msg']}{given}", param=field or None,
                        code="missing_field" if err["type"] == "missing" else "invalid_type"
                        if err["type"].endswith("_type") else "invalid_value") from None
+
+
+def check_choices(asked: Asked | None, most: int) -> None:
+    """ApiError (400) for a body that asks for more than `most` choices (prompts x n), read
+    from the raw JSON before validation builds its items or anything is made per prompt
+    (n=10**9 would otherwise build a billion choices before any queue limit applies)."""
+    if asked is None or type(asked.n) is not int or asked.n < 1:
+        return  # n's own validation says what is wrong with it
+    if asked.n > most:
+        raise ApiError(f"{asked.n_param}: at most {most} choices per request (the server's "
+                       f"--max-choices), got {asked.n}", param=asked.n_param,
+                       code="integer_above_max_value")
+    if asked.prompts * asked.n > most:
+        raise ApiError(f"{asked.prompt_param}: {asked.prompts} prompts x n={asked.n} ask for "
+                       f"{asked.prompts * asked.n} choices; at most {most} per request (the "
+                       f"server's --max-choices)", param=asked.prompt_param,
+                       code="array_above_max_length")
+
+
+def _count(prompt: Any) -> int:
+    """Prompts in a raw `prompt` / `text` / `input_ids`: a list of strings or of id lists
+    holds one each; anything else (a string, a list of ids) is one. Reads one item."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
 
 
 def _tag(part: str) -> bool:

@@ -4,17 +4,48 @@ the limits; and the small helpers every endpoint uses (SSE framing, disconnects)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from shadowradix.server.engine_loop import EngineLoop
 from shadowradix.server.generation import Generation, Options
 from shadowradix.server.metrics import ServerMetrics
-from shadowradix.server.protocol import ApiError
+from shadowradix.server.protocol import MAX_CHOICES, ApiError, Body, parse
+from shadowradix.server.tokenizer import TextBound
+
+T = TypeVar("T")
+B = TypeVar("B", bound=Body)
+MIB = 1 << 20
+TOKENIZER_THREADS = 4  # tokenizations at once: each may hold ~170 bytes per character
+# A prompt of token ids as JSON takes <= 8 bytes a token ("129279, "), text typically 4-5
+# (9 for escaped CJK): 16 leaves room. At least 1 MiB, for small models and batches.
+BODY_BYTES_PER_TOKEN = 16
+MIN_BODY_BYTES = MIB
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may ask of the server (serve's flags of the same names). Each is
+    checked before anything is built for the request, so a refusal costs next to nothing."""
+
+    max_choices: int = MAX_CHOICES  # prompts x n in one request (400 beyond)
+    max_body_bytes: int | None = None  # None: derived from the model (body_bytes); 413 beyond
+    read_timeout: float = 10.0  # seconds to send a request's head, or between body chunks
+    keep_alive_timeout: float = 5.0  # an idle connection between requests is closed
+    max_connections: int = 1000  # open at once; more are answered 503 and closed
+
+    def body_bytes(self, max_len: int) -> int:
+        """The body limit for a model holding `max_len` tokens per request: room for the
+        longest prompt that could fit, BODY_BYTES_PER_TOKEN a token, >= MIN_BODY_BYTES."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_len)
 
 
 @dataclass
@@ -29,6 +60,11 @@ class Runtime:
     eos: frozenset[int] = frozenset()
     max_len: int = 0  # prompt + output tokens one request may hold
     settings: dict[str, Any] = field(default_factory=dict)  # the engine's, for /server_info
+    limits: Limits = field(default_factory=Limits)
+    text_bound: TextBound | None = None  # refuses text too long to ever fit, untokenized
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        TOKENIZER_THREADS, thread_name_prefix="shadowradix-tokenize"), repr=False)
+
 
     def loaded(self) -> None:
         """Raise 503 while the model is still loading (or failed to)."""
@@ -45,8 +81,27 @@ class Runtime:
                            f"{self.model_name!r}", status=404, param="model",
                            code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer threads: tokenizing a long text (or checking and
+        decoding many ids) never stalls the event loop, and at most TOKENIZER_THREADS run
+        at once, which bounds the memory they hold."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args))
+
+    async def parse(self, cls: type[B], request: Request) -> B:
+        """The request's body as `cls` (ApiError 400 if it is not one, or asks for more than
+        --max-choices choices), parsed on the tokenizer threads: checking a body of a
+        million token ids takes a second, which the event loop must not spend."""
+        return await self.off_loop(parse, cls, await request.body(), self.limits.max_choices)
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+               ) -> list[int]:
+        """Token ids; ApiError (context_length_exceeded) before tokenizing a text too long
+        to ever fit."""
+        if self.text_bound is not None:
+            self.text_bound.check(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
                     ) -> list[int]:
@@ -59,7 +114,12 @@ class Runtime:
         except Exception as e:  # a template's own raise_exception (e.g. roles out of order)
             raise ApiError(f"messages: the chat template refused them: {e}",
                            param="messages") from None
-        return self.encode(text, add_special_tokens=False)  # the template adds BOS itself
+        # the template adds BOS itself
+        return self.encode(text, add_special_tokens=False, param="messages")
+
+    def body_limit(self) -> int:
+        """Bytes a request body may have (derived from the model once it is loaded)."""
+        return self.limits.body_bytes(self.max_len)
 
     def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

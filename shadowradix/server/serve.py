@@ -17,9 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the command line parses its arguments without importing torch
-    from shadowradix.server.runtime import Runtime
+    from shadowradix.server.runtime import Limits, Runtime
 
-from shadowradix.flags import checked, non_negative_float, non_negative_int, port, positive_int
+from shadowradix.flags import (
+    checked,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from shadowradix.tiers.host_tier import WRITE_POLICIES
 from shadowradix.tree.policy import named_policy
 
@@ -64,8 +71,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "periodic-K, eager-swa, no-shadows")
     ap.add_argument("--disable-prefix-cache", action="store_true",
                     help="every request computes its whole prompt (a baseline to compare with)")
-    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY "
-                    "(/health and /metrics stay open)")
+    ap.add_argument("--api-key", default=None, type=checked(_api_key),
+                    help="require Authorization: Bearer KEY (/health and /metrics stay open)")
     ap.add_argument("--served-model-name", default=None,
                     help="the model id clients send (default: tiny or the directory name)")
     ap.add_argument("--max-queue", type=positive_int, default=None,
@@ -76,6 +83,48 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype")
     ap.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                     help="seconds a shutdown waits for requests in flight before aborting")
+    add_limit_arguments(ap)
+
+
+def _api_key(key: str) -> str:
+    """--api-key's value: an empty one (an unset "$KEY") would silently serve everyone."""
+    if not key.strip():
+        raise ValueError("must not be empty (an unset variable?); leave --api-key out to "
+                         "serve without a key")
+    if key != key.strip():
+        raise ValueError("must not start or end with whitespace (no header can carry it)")
+    return key
+
+
+def add_limit_arguments(ap: argparse.ArgumentParser) -> None:
+    """What one client may ask of the server. Left out, a flag keeps runtime.Limits'
+    default (the one its help names)."""
+    ap.add_argument("--max-choices", type=positive_int, metavar="N",
+                    help="most choices (prompts x n) one request may ask for; more get 400 "
+                    "before anything is built (default: 1024)")
+    ap.add_argument("--max-body-bytes", type=positive_int, metavar="B",
+                    help="largest request body; more get 413, refused as it is read (default: "
+                    "16 bytes per token a request can hold, at least 1 MiB)")
+    ap.add_argument("--read-timeout", type=positive_float, metavar="S",
+                    help="seconds a connection has to send a whole request head (from opening "
+                    "or its last response; then it is closed) and the longest a body may "
+                    "stall (then 408) (default: 10)")
+    ap.add_argument("--keep-alive-timeout", type=positive_float, metavar="S",
+                    help="seconds an idle connection is kept between requests (default: 5)")
+    ap.add_argument("--max-connections", type=positive_int, metavar="N",
+                    help="connections open at once; more are answered 503 and closed "
+                    "(default: 1000)")
+
+
+LIMIT_FLAGS = ("max_choices", "max_body_bytes", "read_timeout", "keep_alive_timeout",
+               "max_connections")
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    from shadowradix.server.runtime import Limits
+
+    given = {name: getattr(args, name) for name in LIMIT_FLAGS}
+    return Limits(**{name: value for name, value in given.items() if value is not None})
 
 
 def runtime_from_args(args: argparse.Namespace) -> Runtime:
@@ -103,13 +152,14 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)
     metrics = ServerMetrics(name)
     runtime = Runtime(loop=None, metrics=metrics, model_name=name,  # type: ignore[arg-type]
-                      root=args.model, api_key=args.api_key)
+                      root=args.model, api_key=args.api_key, limits=limits_from_args(args))
 
     def build() -> Any:
         import torch
 
         from shadowradix.engine import Engine
         from shadowradix.server.info_api import engine_settings
+        from shadowradix.server.tokenizer import text_bound
 
         dtype = getattr(torch, args.dtype)
         if args.model == "tiny":
@@ -128,6 +178,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         runtime.vocab_size = engine.vocab_size
         runtime.eos = frozenset(engine.eos)
         runtime.max_len = engine.max_sequence_len()
+        runtime.text_bound = text_bound(runtime.tokenizer, runtime.max_len)
         runtime.settings = engine_settings(engine)
         log.info("loaded %s: max %d tokens per request", name, runtime.max_len)
         return engine
@@ -140,6 +191,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from shadowradix.server.app import build_app
+    from shadowradix.server.connections import uvicorn_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     runtime = runtime_from_args(args)
@@ -147,9 +199,8 @@ def serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(build_app(runtime), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=args.drain_timeout)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(build_app(runtime), runtime.limits,
+                                           args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it is done; ours only says so,
     # so a shutdown that drained cleanly exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

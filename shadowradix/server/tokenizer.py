@@ -8,7 +8,11 @@ config (bos 0, eos 1). Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
+
+from shadowradix.server.protocol import ApiError
 
 BOS, EOS, USER, ASSISTANT = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
                              "<｜Assistant｜>")
@@ -66,3 +70,69 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass(frozen=True)
+class TextBound:
+    """Text too long to fit, told by its length alone, so it is refused before the
+    tokenizer spends time and memory on it (a 5 MB prompt costs the tokenizer ~1 GB).
+
+    No token stands for more than `token_chars` characters (the longest entry of the
+    vocabulary), so text of more than `max_len * token_chars` characters is more than
+    `max_len` tokens and can never fit in a request."""
+
+    max_len: int  # tokens one request may hold (prompt and output)
+    token_chars: int  # the most characters one token can stand for
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_len * self.token_chars
+
+    def check(self, text: str, param: str) -> None:
+        """ApiError (400, context_length_exceeded) if `text` can never fit."""
+        if len(text) > self.max_chars:
+            raise ApiError(f"{param}: {len(text)} characters can never fit: a token here stands "
+                           f"for at most {self.token_chars} characters, so {self.max_len} tokens "
+                           f"(what this server holds per request) hold at most {self.max_chars}",
+                           param=param, code="context_length_exceeded")
+
+
+def text_bound(tokenizer: Any, max_len: int) -> TextBound | None:
+    """The bound for a fast tokenizer whose every token stands for text it keeps (a BPE
+    that splits without dropping characters); None where no such bound holds: a slow
+    tokenizer, a normalizer (it may shrink text before the split), a pre-tokenizer that
+    drops whitespace, unknown characters fused into one token, or an added token that
+    swallows the spaces beside it."""
+    from tokenizers import models
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, models.BPE):
+        return None
+    if backend.model.unk_token is not None and backend.model.fuse_unk:
+        return None
+    if backend.normalizer is not None and _spec(backend.normalizer) != {
+            "type": "Sequence", "normalizers": []}:
+        return None
+    if backend.pre_tokenizer is not None and not _keeps_text(_spec(backend.pre_tokenizer)):
+        return None
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return None
+    # A byte-level entry spells each byte as one character (and a character is at least
+    # one byte); other entries spell their text, with markers ("▁", "<0x0A>") never
+    # shorter than what they stand for; an added token's entry is its text.
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+    return TextBound(max_len, max(longest, 1))
+
+
+_KEEPING = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
+
+
+def _keeps_text(spec: dict[str, Any]) -> bool:
+    """Whether a pre-tokenizer only splits (or re-spells 1:1) and never drops text."""
+    if spec.get("type") == "Sequence":
+        return all(_keeps_text(s) for s in spec.get("pretokenizers", []))
+    return spec.get("type") in _KEEPING and spec.get("behavior") != "Removed"
+
+
+def _spec(component: Any) -> dict[str, Any]:
+    return dict(json.loads(component.__getstate__()))
