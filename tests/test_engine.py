@@ -162,7 +162,7 @@ def test_bad_input_raises_and_the_engine_keeps_serving(model, prompts, params, m
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=2.0), "max_new_tokens"),
-    (dict(greedy=False, temperature=0.0), "temperature"),
+    (dict(greedy=False, temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
 ])
 def test_invalid_sampling_params(kwargs, match):

@@ -11,7 +11,7 @@ from shadowradix.tiers.host_tier import WRITE_POLICIES
 from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
 from shadowradix.tree.policy import named_policy
 
-MIN_TEMPERATURE = 1e-5  # logits / temperature stays finite in float32 for any real logits
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in SGLang and vLLM)
 SEED_LIMIT = 2 ** 63
 
 
@@ -145,7 +145,19 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy, or temperature / top-p sampling reproducible from `seed`."""
+    """Greedy, or temperature / top-k / top-p / min-p sampling reproducible from `seed`.
+
+    temperature: below MIN_TEMPERATURE sampling is greedy (argmax), as in SGLang and vLLM:
+        any finite temperature >= 0 is accepted and none can make sampling fail.
+    top_k: keep the k most likely tokens (0: all). top_p: keep the most likely tokens whose
+        probabilities, before each, sum to less than top_p (the most likely one always
+        stays, however small top_p is). min_p: keep tokens at least min_p times as likely as
+        the most likely one (0: all).
+    min_tokens: outputs before the end-of-sequence token or a stop token may end the answer
+        (they are never chosen before that). stop_token_ids: tokens that end the answer
+        like the end-of-sequence token (the stop token is the last output); `ignore_eos`
+        does not turn them off.
+    """
 
     max_new_tokens: int = 16
     greedy: bool = True
@@ -153,6 +165,10 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -160,13 +176,29 @@ class SamplingParams:
         for name in ("greedy", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
-        if not self.greedy and self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} when sampling (smaller "
-                             f"ones overflow logits / temperature; use greedy=True for argmax), "
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, "
                              f"got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens = "
+                             f"{self.max_new_tokens}], got {self.min_tokens!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, tuple | list) or not all(
+                _is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), "
+                             f"got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+    @property
+    def sampling(self) -> bool:
+        """Whether a token is drawn at random (not greedy, and hot enough to matter)."""
+        return not self.greedy and self.temperature >= MIN_TEMPERATURE

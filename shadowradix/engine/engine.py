@@ -24,6 +24,7 @@ from shadowradix.engine.config import CacheConfig, SamplingParams
 from shadowradix.engine.request import Request, Result, StepOutput
 from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Chunk, Scheduler
+from shadowradix.engine.transaction import Snapshot
 from shadowradix.engine.validation import checked_batch, model_layout
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
@@ -98,8 +99,9 @@ class Engine:
             "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
             "decode_tokens": 0, "steps": 0, "step_seconds": 0.0, "forward_seconds": 0.0,
             "host_tokens": 0, "storage_tokens": 0, "copy_stalls": 0, "copy_stall_seconds": 0.0,
-            "aborted": 0}
-        self._requests: dict[str, Request] = {}
+            "aborted": 0, "failed": 0}
+        self._requests: dict[str, Request] = {}  # queued or running (finished ones leave)
+        self._outbox: list[StepOutput] = []  # produced but not yet returned by `step`
         self._ids = itertools.count()
         self._busy = threading.Lock()
         self._closed = False
@@ -164,18 +166,19 @@ class Engine:
         ValueError (changing nothing) on bad input or a request that can never fit."""
         with self._exclusive():
             (ids,), (p,) = checked_batch([prompt_ids], params, self.vocab_size)
+            _check_return_logits(return_logits)
             return self._add(ids, p, return_logits)
 
     def _add(self, ids: list[int], p: SamplingParams, return_logits: bool,
              label: str = "prompt") -> str:
         """Queue checked ids (a list this request now owns)."""
-        gen = None if p.greedy else torch.Generator().manual_seed(p.seed)
+        gen = torch.Generator().manual_seed(p.seed) if p.sampling else None
         rid = f"req-{next(self._ids)}"
         req = Request(rid, ids, len(ids), p, gen, return_logits)
         if self.record_topk:
             req.topk = {}
         if not self.scheduler.fits_ever(req):
-            need = self.manager.peak_pages(req.max_tokens, self.scheduler.step_tokens)
+            need = self.manager.peak_pages(req.max_tokens)  # its chunks cut to fit
             have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
             raise ValueError(f"{label}: {req.prompt_len} tokens + max_new_tokens "
                              f"{p.max_new_tokens} need up to {need} pages at once; the device "
@@ -187,13 +190,21 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one scheduler step: admit, grow (preempting under pressure), one forward over
         every scheduled chunk, sample. Returns an output per request that produced a
-        token or finished; may return nothing (e.g. while storage reads are in flight)."""
+        token or finished; may return nothing (e.g. while storage reads are in flight).
+
+        A step is a transaction. A fault in one request's own booking (sampling, handing
+        its pages to the cache, finishing) fails that request alone: its output has
+        `error` set, its pages are freed, the others go on. Any other exception (the
+        forward, admission, an interrupt) propagates with every request pending and exact
+        on retry; what requests produced before it is returned by the next `step`."""
         with self._exclusive():
             try:
-                return self._step()
+                self._step()
             except BaseException:
                 self.scheduler.release_orphans()  # the requests stay; a retry may succeed
                 raise
+            outputs, self._outbox = self._outbox, []
+            return outputs
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once: its pages and locks are released, copies in flight
@@ -201,20 +212,27 @@ class Engine:
         with self._exclusive():
             req = self._requests.pop(request_id, None)
             if req is not None and not req.done:
-                self.scheduler.abort(req)
                 self._counters["aborted"] += 1
+                try:
+                    self.scheduler.abort(req)
+                except BaseException:  # what it still held is an orphan now
+                    self.scheduler.release_orphans()
+                    raise
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Requests queued or running, or outputs the next `step` still has to return."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._outbox)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  return_logits: bool = False) -> list[Result]:
         """Run prompts to completion; one Result per prompt, in order. Bad input raises
         ValueError before anything is queued; any exception aborts every request of the
-        call (nothing leaks) and propagates."""
+        call (nothing leaks) and propagates, and so does the error of a request that
+        failed alone."""
         with self._exclusive():
             id_lists, plist = checked_batch(prompts, params, self.vocab_size)
+            _check_return_logits(return_logits)
             ids: list[str] = []
             try:
                 for i, (prompt, p) in enumerate(zip(id_lists, plist, strict=True)):
@@ -222,6 +240,9 @@ class Engine:
                 reqs = [self._requests[rid] for rid in ids]
                 while not all(r.done for r in reqs):
                     self._step()
+                    errors = [r.error for r in reqs if r.error is not None]
+                    if errors:  # one failed alone: the call fails with its error
+                        raise errors[0]
             except BaseException:
                 for rid in ids:
                     req = self._requests.pop(rid, None)
@@ -229,11 +250,13 @@ class Engine:
                         self.scheduler.abort(req)
                 self.scheduler.release_orphans()
                 raise
-            for rid in ids:
-                self._requests.pop(rid, None)
+            finally:  # its outputs are its own; those of online requests stay for `step`
+                mine = set(ids)
+                self._outbox = [o for o in self._outbox if o.request_id not in mine]
             return [r.result for r in reqs]  # type: ignore[misc]
 
-    def _step(self) -> list[StepOutput]:
+    def _step(self) -> None:
+        """One step; what it produced goes to the outbox as it is produced."""
         t_step = time.perf_counter()
         sched = self.scheduler
         sched.admit()
@@ -241,32 +264,62 @@ class Engine:
         if not chunks:
             if sched.waiting and not sched.running:
                 raise RuntimeError("no request can run: the pools are pinned by locks")
-            return []
-        segments = []
-        for c in chunks:
-            kv = self._page_tables(c.request)
-            decode = c.end - c.start == 1 and c.start >= c.request.prompt_len
-            if isinstance(kv.c4, HotSet):  # decode steps go through the hot buffer
-                kv.c4.decoding = decode
-            if self.record_topk:  # a chunk that ends at an output token ends in a decode query
-                ends = c.end == len(c.request.ids) and c.end > c.request.prompt_len
-                kv.topk = c.request.topk if ends else None
-            if self.host is not None:
-                assert c.request.lease is not None
-                self._wait_for_copies(c.request.lease.ready)
-            lease = c.request.lease
-            assert lease is not None
-            if c.start == lease.cached and c.start:  # first chunk after a cache hit
-                self.runner.resume(self.store, kv, c.start // self.config.page_size)
-            ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
-            segments.append((ids, c.start, kv))
-        t_forward = time.perf_counter()
-        logits = self.runner.forward_batch(segments, self.store)
+            return
+        snaps = {c.request: Snapshot.take(c.request) for c in chunks}
+        try:
+            segments = [self._segment(c) for c in chunks]
+            t_forward = time.perf_counter()
+            logits = self.runner.forward_batch(segments, self.store)
+        except BaseException:  # the step as a whole failed: put every request back
+            for req, snap in snaps.items():
+                snap.restore_model(req)
+            raise
         self._counters["forward_seconds"] += time.perf_counter() - t_forward
         self._counters["steps"] += 1
-        outputs = [self._advance(c, rows) for c, rows in zip(chunks, logits, strict=True)]
+        for i, (c, rows) in enumerate(zip(chunks, logits, strict=True)):
+            try:
+                try:
+                    self._advance(c, rows)
+                except Exception as e:  # its own booking failed: it fails alone
+                    self._fail(c.request, e)
+            except BaseException:  # an interrupt, or failing it failed: the rest stay pending
+                for later in chunks[i + 1:]:
+                    snaps[later.request].restore_model(later.request)
+                self._interrupted(c.request, snaps[c.request])
+                raise
         self._counters["step_seconds"] += time.perf_counter() - t_step
-        return [o for o in outputs if o is not None]
+
+    def _interrupted(self, req: Request, snap: Snapshot) -> None:
+        """A request whose booking was cut short: what held, holds (it finished, it failed,
+        or its token was reported); otherwise it goes back to the queue as it was before
+        the step."""
+        if req.error is not None:
+            return  # failed alone, reported; release_orphans frees what it held
+        if req.done or (len(req.ids) > snap.ids and req.reported == len(req.outputs)):
+            self._report(req)
+        else:
+            snap.restore_outputs(req)
+            self.scheduler.requeue(req)
+
+    def _segment(self, c: Chunk) -> tuple[torch.Tensor, int, RequestKV]:
+        """What the forward feeds for one chunk: its tokens, start and page tables (its
+        host copies landed; the compressor state restored at a cache hit)."""
+        kv = self._page_tables(c.request)
+        decode = c.end - c.start == 1 and c.start >= c.request.prompt_len
+        if isinstance(kv.c4, HotSet):  # decode steps go through the hot buffer
+            kv.c4.decoding = decode
+        if self.record_topk:  # a chunk that ends at an output token ends in a decode query
+            ends = c.end == len(c.request.ids) and c.end > c.request.prompt_len
+            kv.topk = c.request.topk if ends else None
+        if self.host is not None:
+            assert c.request.lease is not None
+            self._wait_for_copies(c.request.lease.ready)
+        lease = c.request.lease
+        assert lease is not None
+        if c.start == lease.cached and c.start:  # first chunk after a cache hit
+            self.runner.resume(self.store, kv, c.start // self.config.page_size)
+        ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
+        return ids, c.start, kv
 
     def _page_tables(self, req: Request) -> RequestKV:
         """The request's page tables for the model, rebuilt when its lease changed."""
@@ -280,32 +333,67 @@ class Engine:
                 kv.c4.remap(lease.table[self.layout.index("c4")])
         return kv
 
-    def _advance(self, c: Chunk, rows: torch.Tensor) -> StepOutput | None:
-        """Book a chunk's forward: cache its computed pages; sample at the sequence end."""
+    def _advance(self, c: Chunk, rows: torch.Tensor) -> None:
+        """Book a chunk's forward: sample at the sequence end, cache its computed pages,
+        finish. The counters move last, once the booking held."""
         req = c.request
+        assert req.lease is not None
+        row, token = None, -1
+        if c.end == len(req.ids):  # sampled first: it changes nothing the cache sees
+            row = rows[-1]
+            token = sample(row, req.params, req.generator, self._banned(req))
         req.computed = c.end
+        self.manager.cache_prefix(req.lease, req.ids, req.computed)
         kind = "decode_tokens" if c.end - c.start == 1 and c.start >= req.prompt_len else (
             "prefill_tokens")
-        self._counters[kind] += c.end - c.start
-        assert req.lease is not None
-        self.manager.cache_prefix(req.lease, req.ids, req.computed)
-        if c.end < len(req.ids):
-            return None  # a prefill chunk short of the end
-        row = rows[-1]
-        token = sample(row, req.params, req.generator)
-        if req.keep_logits:
-            req.logits.append(row.cpu())
+        if row is None:  # a prefill chunk short of the end
+            self._counters[kind] += c.end - c.start
+            return
+        if req.keep_logits:  # a copy: a view would keep the whole step's logits alive
+            req.logits.append(row.to("cpu", copy=True))
         req.ids.append(token)
-        finished = len(req.outputs) >= req.params.max_new_tokens or (
+        ends = token in req.params.stop_token_ids or (
             not req.params.ignore_eos and token in self.eos)
+        finished = len(req.outputs) >= req.params.max_new_tokens or (
+            ends and len(req.outputs) > req.params.min_tokens)
         if finished:
             self.scheduler.finish(req)
             req.done = True
-            req.result = self._result(req)
-        if len(req.outputs) == 1:
-            return StepOutput(req.id, [token], finished, req.result, req.cached_by_tier,
-                              req.admitted_at)
-        return StepOutput(req.id, [token], finished, req.result)
+        self._counters[kind] += c.end - c.start
+        self._report(req)
+
+    def _report(self, req: Request) -> None:
+        """Put the request's new token in the outbox (its result too once it is done).
+        Idempotent: an interrupt after a request finished completes its report."""
+        if req.reported == len(req.outputs):
+            return
+        if req.done:
+            req.result = req.result or self._result(req)
+            self._requests.pop(req.id, None)
+        first = len(req.outputs) == 1
+        req.reported = len(req.outputs)
+        self._outbox.append(StepOutput(
+            req.id, [req.ids[-1]], req.done, req.result,
+            req.cached_by_tier if first else None, req.admitted_at if first else None))
+
+    def _banned(self, req: Request) -> set[int]:
+        """Tokens that may not end the answer yet (min_tokens)."""
+        if len(req.outputs) >= req.params.min_tokens:
+            return set()
+        ends = set(req.params.stop_token_ids)
+        return ends if req.params.ignore_eos else ends | self.eos
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """End one request whose own booking raised: report the error and free what it
+        holds, whatever state it was left in (the step's other requests are not touched)."""
+        req.done, req.error = True, error
+        self._requests.pop(req.id, None)
+        self._counters["failed"] += 1
+        self._outbox.append(StepOutput(req.id, [], True, None, error=error))
+        try:
+            self.scheduler.abort(req)
+        except Exception:  # its lease is detached: free it as an orphan
+            self.scheduler.release_orphans()
 
     def _wait_for_copies(self, ticket: int) -> None:
         """Its pages are back from the host before the forward reads them. A wait that
@@ -321,22 +409,24 @@ class Engine:
         self._counters["copy_stall_seconds"] += time.perf_counter() - t0
 
     def _result(self, req: Request) -> Result:
-        self._counters["requests"] += 1
-        self._counters["prompt_tokens"] += req.prompt_len
-        self._counters["cached_tokens"] += req.cached
+        """The finished request's Result; the counters move once it is built (an interrupt
+        while building it leaves them, and the request's logs, as they were)."""
         logits = torch.stack(req.logits) if req.keep_logits else None
-        self._counters["host_tokens"] += req.from_host
-        self._counters["storage_tokens"] += req.from_storage
-        return Result(req.outputs, logits, req.cached, req.cached_by_tier, self._streams(req))
+        result = Result(req.outputs, logits, req.cached, req.cached_by_tier, self._streams(req))
+        req.topk = None  # released with the request
+        for name, n in (("requests", 1), ("prompt_tokens", req.prompt_len),
+                        ("cached_tokens", req.cached), ("host_tokens", req.from_host),
+                        ("storage_tokens", req.from_storage)):
+            self._counters[name] += n
+        return result
 
     def _streams(self, req: Request) -> dict[int, AccessStream] | None:
-        """The request's recorded selections as one AccessStream per CSA layer (record_topk);
-        the log is released."""
+        """The request's recorded selections as one AccessStream per CSA layer
+        (record_topk)."""
         if req.topk is None:
             return None
-        log, req.topk = req.topk, None
         return {layer: AccessStream.from_steps(
-            self._index_topk, [(ids.cpu().numpy(), n) for ids, n in log.get(layer, [])])
+            self._index_topk, [(ids.cpu().numpy(), n) for ids, n in req.topk.get(layer, [])])
             for layer in self._csa_layers}
 
     # ---------------------------------------------------------------- status
@@ -393,7 +483,7 @@ class Engine:
         lo, hi = 0, limit  # fits(lo) holds; the answer is in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.manager.fits_ever(mid - 1, self.scheduler.step_tokens):  # KV for mid - 1
+            if self.manager.fits_ever(mid - 1):  # KV for mid - 1, as add_request checks
                 lo = mid
             else:
                 hi = mid - 1
@@ -416,3 +506,8 @@ class Engine:
             self.host.mover.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _check_return_logits(value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"return_logits must be a bool, got {value!r}")

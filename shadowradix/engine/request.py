@@ -40,6 +40,9 @@ class StepOutput:
     # and queue-time figures before the request finishes (or if it is aborted).
     cached_by_tier: dict[str, int] | None = None
     admitted_at: float | None = None
+    # Set when this request failed alone (finished, no result): a fault in its own
+    # bookkeeping or sampling; the other requests of the step went on.
+    error: BaseException | None = None
 
 
 @dataclass(eq=False)
@@ -73,8 +76,10 @@ class Request:
     admitted_at: float = 0.0  # time.monotonic() at its first admission
     logits: list[torch.Tensor] = field(default_factory=list)
     topk: dict[int, list[tuple[torch.Tensor, int]]] | None = None  # RequestKV.topk's log
+    reported: int = 0  # outputs handed to the outbox
     done: bool = False
     result: Result | None = None
+    error: BaseException | None = None  # it failed alone (done, no result)
 
     @property
     def outputs(self) -> list[int]:

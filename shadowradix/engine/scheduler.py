@@ -54,8 +54,9 @@ class Scheduler:
         self._preempted_last_step = False
 
     def fits_ever(self, req: Request) -> bool:
-        """Whether the request fits in the device pools with nothing else cached."""
-        return self.manager.fits_ever(req.max_tokens, self.step_tokens)
+        """Whether the request runs to completion alone in the device pools (its chunks cut
+        to fit the window and state pools, down to one token a step)."""
+        return self.manager.fits_ever(req.max_tokens)
 
     # -------------------------------------------------------------- admit
     def admit(self) -> None:
@@ -83,11 +84,18 @@ class Scheduler:
                 if landed:  # L3 -> L2: the match sees it (else it goes to the device)
                     req.landed, req.prefetch, fetched = landed, _USED, None
             chunk = max(budget, 1) if self.running else self.step_tokens
-            lease = manager.admit(tokens, chunk, fetched, req.landed)
+            lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True)
             if lease is None:
                 return  # waits for running requests to finish or cache pages
+            try:
+                self._start(req, lease)
+            except BaseException:  # it stays queued, holding nothing
+                if req in self.running:
+                    self.running.remove(req)
+                self._drop(req)
+                manager.abort(lease)
+                raise
             del self.waiting[reading]
-            self._start(req, lease)
             budget -= len(req.ids) - req.computed
 
     def _budget_left(self) -> int:
@@ -120,7 +128,12 @@ class Scheduler:
                 req.prefetch = _USED
         if not req.prefetch.done() and self.running:
             return _PENDING
-        fetched = req.prefetch.result()
+        try:
+            fetched = req.prefetch.result()
+        except Exception:  # a read that failed is a miss, once (the next admission reads anew)
+            req.prefetch = _USED
+            self.manager.storage.faults["read_failed"] += 1
+            return None
         return fetched if fetched.pages else None
 
     # --------------------------------------------------------------- plan
@@ -142,6 +155,7 @@ class Scheduler:
                 if req.lease is None or req.decoding is not decode or budget <= 0:
                     continue
                 end = min(len(req.ids), req.computed + budget)
+                end = self.manager.chunk_end(req.lease, req.computed, end)  # fits its pools
                 if not self._grow(req, end, chunks):
                     continue
                 chunks.append(Chunk(req, req.computed, end))
@@ -162,15 +176,32 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Release a running request's pages (its computed full pages stay cached) and put
-        it back at the head of the queue."""
+        it back at the head of the queue, even when handing its pages over raises."""
         assert req.lease is not None
-        self.manager.preempt(req.lease, req.ids, req.computed)
-        self._drop(req)
-        self.running.remove(req)
-        self.waiting.appendleft(req)
-        req.computed, req.prefetch, req.landed = 0, None, 0
-        self.preemptions += 1
-        self._preempted_last_step = True
+        try:
+            self.requeue(req)
+        finally:
+            self.preemptions += 1
+            self._preempted_last_step = True
+
+    def requeue(self, req: Request) -> None:
+        """Put a running request back at the head of the queue (preempted, or after a step
+        was interrupted under it): its computed full pages join the tree when that still
+        works, whatever else it holds is freed, and it resumes from what the cache holds.
+        It leaves `running` whatever raises."""
+        lease = req.lease
+        try:
+            if lease is not None and lease.live:
+                self.manager.preempt(lease, req.ids, req.computed)
+        finally:
+            if lease is not None:
+                self.manager.abort(lease)  # idempotent: whatever preempt left
+            self._drop(req)
+            if req in self.running:
+                self.running.remove(req)
+            if req not in self.waiting:
+                self.waiting.appendleft(req)
+            req.computed, req.prefetch, req.landed = 0, None, 0
 
     # ------------------------------------------------------------- finish
     def finish(self, req: Request) -> None:
@@ -187,8 +218,10 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.lease is not None:
-            self.manager.abort(req.lease)
-            self._drop(req)
+            try:
+                self.manager.abort(req.lease)
+            finally:  # a lease left half-released is an orphan now: release_orphans frees it
+                self._drop(req)
 
     def _drop(self, req: Request) -> None:
         """Forget the request's lease and page tables; its hot buffers go back."""

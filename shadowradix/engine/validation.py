@@ -58,10 +58,16 @@ def checked_batch(prompts: Sequence[Sequence[int]],
     if params is None:
         return id_lists, [SamplingParams()] * len(prompts)
     if isinstance(params, SamplingParams):
-        return id_lists, [params] * len(prompts)
-    plist = list(params)
-    if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
-        raise ValueError("params must be one SamplingParams or one per prompt")
+        plist = [params] * len(prompts)
+    else:
+        plist = list(params)
+        if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+    for p in plist:
+        for t in p.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
     return id_lists, plist
 
 

@@ -178,6 +178,11 @@ class HotSet:
         for state in self._layers.values():
             _forget(state, old[moved], int(moved[0]), self.arena.per_page)
 
+    def reset(self) -> None:
+        """Forget every entry: a step that failed between `plan` and `fetch` left slots
+        recorded as holding entries that were never copied in. The next decode refills."""
+        self._layers = {layer: _Layer(self.arena.capacity) for layer in self.arena.layers}
+
     def plan(self, layer: int, address: Callable[[torch.Tensor], torch.Tensor],
              picked: torch.Tensor, valid: torch.Tensor, count: int) -> _Plan:
         """Decide this request's reads for `layer` (see C4Reader): address(ids) is the

@@ -17,7 +17,8 @@ A request's pages, as a `Lease` records them:
     # [0, done)                borrowed from the tree by the match (locked)
     # [done, handed)           computed and handed to the tree (locked through the lease)
     # [handed - hold, handed)  window / state pages the request keeps: it still reads them
-    #                          (handed at its next `cache`)
+    #                          (handed at its next `cache`); where the tree holds the same
+    #                          page, its lock pins that one and the request reads it instead
     # [handed, grown_to)       its own pages, being written (whole pages only for the
     #                          checkpoint pools)
 
@@ -34,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shadowradix.layout.spec import Retention
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.results import LockHandle
@@ -87,27 +87,68 @@ class CacheManager:
         self._whole_only = [row in ckpt for row in range(len(self.names))]
         self.short_rows = self.tree.short_lived_rows
         self.hold = self.tree.rule.lock_pages
+        # Rows a request holds only a window of (its resume pages and one chunk): with
+        # tombstones off, every pool keeps every page.
+        self._capped = self.short_rows if self.tree.policy.tombstones else []
+        self._pool_pages = [cache.pools[n].num_pages for n in self.names]
         self.leases: set[Lease] = set()
 
     # ------------------------------------------------------------- sizing
-    def peak_pages(self, tokens: int, chunk: int) -> dict[str, int]:
-        """Per pool, the most pages one request of `tokens` positions, run in chunks of at
-        most `chunk` tokens, holds at once (its window pools need only the window, the
-        pages it keeps for its resume point and one chunk)."""
+    def peak_pages(self, tokens: int, chunk: int = 1) -> dict[str, int]:
+        """Per pool, the most pages one request of `tokens` positions, run alone in chunks
+        of at most `chunk` tokens, holds at once.
+
+        An ALL pool (every pool, when the policy keeps no tombstones) holds every page, a
+        checkpoint pool every whole one. Otherwise a window or checkpoint pool holds the
+        `hold` pages of its resume point (once: where the tree holds one too, the request
+        reads the tree's, see `_share_held`) and the pages of one chunk: at most
+        ceil((chunk + ps - 1) / ps), for a chunk that starts just before a page end, and
+        for a checkpoint pool only the whole pages the chunk closes. chunk=1 is the
+        smallest chunk the scheduler cuts to (`chunk_end`), so that is what `fits_ever`
+        asks; a larger `chunk` bounds a runner that never cuts (hold + 1 is also what a
+        decoding request holds)."""
         ps = self.page_size
-        total = -(-tokens // ps)
+        total, whole = -(-tokens // ps), tokens // ps
         out = {}
-        for spec in self.cache.layout.pools:
-            if spec.retention is Retention.ALL or not self.tree.policy.tombstones:
-                out[spec.name] = total
+        for row, spec in enumerate(self.cache.layout.pools):
+            every = whole if self._whole_only[row] else total
+            if row not in self._capped:
+                out[spec.name] = every
+            elif self._whole_only[row]:
+                out[spec.name] = min(every, self.hold + (chunk + ps - 1) // ps)
             else:
-                out[spec.name] = min(total, 2 * self.hold + -(-chunk // ps) + 1)
+                out[spec.name] = min(every, self.hold + -(-(chunk + ps - 1) // ps))
         return out
 
-    def fits_ever(self, tokens: int, chunk: int) -> bool:
-        """Whether such a request fits in the device pools with nothing else cached."""
+    def fits_ever(self, tokens: int) -> bool:
+        """Whether a request of `tokens` positions runs to completion alone in the device
+        pools (nothing else locked), its chunks cut to fit by `chunk_end`. Exact for these
+        leases: with one page less in some pool there is a step where the request holds
+        its resume pages (or, in an ALL pool, every page) and needs one more."""
         return all(self.cache.pools[n].num_pages >= k
-                   for n, k in self.peak_pages(tokens, chunk).items())
+                   for n, k in self.peak_pages(tokens).items())
+
+    def chunk_end(self, lease: Lease, start: int, end: int) -> int:
+        """Where a chunk [start, end) of a running request must end for its pages to fit
+        in every window and checkpoint pool on their own: the scheduler cuts to this, so a
+        pool smaller than one step runs the request in smaller chunks instead of refusing
+        it. Never below start + 1 (a request that `fits_ever` has room for one token)."""
+        if end <= lease.grown_to or not self._capped:
+            return end
+        h = lease.handed  # it holds or pins [h - hold, h) and owns what it grew past h
+        base = (min(h, self.hold) + np.count_nonzero(lease.own[:, h:], axis=1)).tolist()
+        have = self._want(lease.grown_to, lease.cached // self.page_size)
+        return max(self._cut(end, base, have), start + 1)
+
+    def _cut(self, end: int, base: Sequence[int], have: Sequence[int]) -> int:
+        """The largest e <= end at which, in every window and checkpoint pool, the `base`
+        pages a request holds or pins there, plus those it grows from `have` to `_want(e)`,
+        fit in the pool."""
+        ps = self.page_size
+        for row in self._capped:
+            room = self._pool_pages[row] - base[row] + have[row]  # the most pages it may want
+            end = min(end, room * ps + (ps - 1 if self._whole_only[row] else 0))
+        return end
 
     # -------------------------------------------------------------- admit
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
@@ -137,26 +178,26 @@ class CacheManager:
         return fetched.pages if ok else 0
 
     def admit(self, tokens: np.ndarray, chunk: int, fetched: Fetched | None = None,
-              landed: int = 0, length: int | None = None) -> Lease | None:
+              landed: int = 0, length: int | None = None, *,
+              fit: bool = False) -> Lease | None:
         """Match `tokens`, lock the prefix, load back what the host holds, write stored
         pages that extend the match (`fetched`, L3 -> L1), and allocate pages for a first
         chunk of up to `chunk` tokens past the cached prefix (within `length`, default
         len(tokens)). None, changing nothing, when those pages do not fit even after
         evicting every unlocked page. `landed`: pages of the match that came from storage
-        through the host (counted as storage hits)."""
+        through the host (counted as storage hits). `fit`: cut the first chunk so its pages
+        fit in every window and checkpoint pool on their own (as `chunk_end`)."""
         ps = self.page_size
         cache = self.cache
         m = cache.match(tokens if self.reuse else tokens[:0], record=False)
         done = m.prefix_len // ps
         direct = fetched if (fetched is not None and fetched.pages
                              and fetched.start == done) else None
+        direct, first_end, stored = self._first_chunk(
+            done, direct, tokens.size if length is None else length, chunk, fit)
         resume = direct.stop if direct is not None else done
-        first_end = min(tokens.size if length is None else length, resume * ps + chunk)
         load = self.host.load_need(m) if self.host is not None else {}
         want = self._want(first_end, resume)
-        # Of the stored pages [done, resume), only those the resume reads go to the device.
-        stored = (self.tree.rule.needed(len(self.names), resume)[:, done:] if resume > done
-                  else np.zeros((len(self.names), 0), dtype=bool))
         n_stored = np.count_nonzero(stored, axis=1)
         need = {n: int(n_stored[row]) + want[row] - resume + load.get(n, 0)
                 for row, n in enumerate(self.names)}
@@ -167,7 +208,7 @@ class CacheManager:
         self.leases.add(lease)  # registered before any state changes: abort undoes them
         try:
             lease.handles.append(cache.lock(m))
-            if not cache.can_alloc(need):
+            if not self._room(need):
                 self.abort(lease)
                 return None
         except BaseException:
@@ -208,6 +249,28 @@ class CacheManager:
             raise
         return lease
 
+    def _first_chunk(self, done: int, direct: Fetched | None, limit: int, chunk: int,
+                     fit: bool) -> tuple[Fetched | None, int, np.ndarray]:
+        """The first chunk past a match at page `done`: the stored pages it starts after
+        (`direct`, or None), where it ends, and which of the stored pages [done, resume)
+        the resume reads (only those go to the device). With `fit` the chunk is cut to fit
+        the window and checkpoint pools; stored pages that leave no room there for one
+        token are not used (the request recomputes them rather than never running)."""
+        ps = self.page_size
+        while True:
+            resume = direct.stop if direct is not None else done
+            stored = (self.tree.rule.needed(len(self.names), resume)[:, done:]
+                      if resume > done else np.zeros((len(self.names), 0), dtype=bool))
+            end = min(limit, resume * ps + chunk)
+            if not fit:
+                return direct, end, stored
+            # It pins the tree's pages of its resume point and holds the stored ones.
+            base = [min(done, self.hold) + int(k) for k in np.count_nonzero(stored, axis=1)]
+            cut = self._cut(end, base, [resume] * len(self.names))
+            if cut > resume * ps or direct is None:
+                return direct, max(cut, resume * ps + 1), stored
+            direct = None
+
     def _want(self, end: int, floor_pages: int = 0) -> list[int]:
         """Per pool, how many logical pages a request that has reached position `end` has
         pages for: every page touched, but only whole pages for checkpoint pools."""
@@ -226,7 +289,7 @@ class CacheManager:
         have, want = self._want(lease.grown_to, floor), self._want(end, floor)
         need = {n: want[row] - have[row] for row, n in enumerate(self.names)}
         if any(need.values()):
-            got = self._alloc(need)  # checks first: None changes nothing
+            got = self._alloc(need) if self._room(need) else None
             if got is None:
                 return False
             width = max(want)
@@ -289,8 +352,70 @@ class CacheManager:
             while len(lease.handles) > 1:  # the older lock goes only once the new one holds
                 cache.unlock(lease.handles[0])
                 lease.handles.pop(0)
+            self._share_held(lease)
         if self.host is not None:
             self.host.after_insert(result.node)
+
+    def _share_held(self, lease: Lease) -> None:
+        """Free the window and state pages a running request keeps for its resume point
+        where the tree holds the same logical page on the device, and read the tree's copy
+        instead. Its lock pins the tree's copy whether it reads it or not, so keeping both
+        would hold two pages for one (the tree gets its copy when this request recomputes
+        a cached page, or when another hands the same prefix over) and a request alone in
+        a pool its admission counted would preempt itself."""
+        found = self._held_copies(lease)
+        if found is None:
+            return
+        lo, dups, tree = found
+        view, own = lease.table[:, lo:lo + dups.shape[1]], lease.own[:, lo:lo + dups.shape[1]]
+        self.cache.free({n: view[row][dups[row]] for row, n in enumerate(self.names)})
+        own[dups] = False
+        view[dups] = tree[dups]
+        lease.version += 1
+        if self.host is not None:  # the tree's copy may still be landing from the host
+            lease.ready = max(lease.ready, self.host.ready_ticket(
+                {n: tree[row][dups[row]] for row, n in enumerate(self.names)}))
+
+    def _held_copies(self, lease: Lease) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """The lease's held pages [lo, handed) that the tree also holds on the device:
+        (lo, which [pools, pages], the tree's pages there), or None when there are none."""
+        hi = lease.handed
+        lo = max(hi - self.hold, 0)
+        if not self.short_rows or not lease.handles or hi <= lo:
+            return None
+        mine = np.zeros((len(self.names), hi - lo), dtype=bool)
+        mine[self.short_rows] = lease.own[self.short_rows, lo:hi]
+        if not np.count_nonzero(mine):
+            return None
+        tree = self.tree.path_tail(lease.handles[-1].node, hi - lo)  # what its lock pins
+        if tree.shape[1] != hi - lo:
+            return None
+        dups = mine & (tree >= 0)
+        return (lo, dups, tree) if np.count_nonzero(dups) else None
+
+    def _room(self, need: dict[str, int]) -> bool:
+        """Whether `need` fits after evicting every unlocked page. When it would only fit
+        once running requests stop holding copies of pages the tree holds for them
+        (another request handed the same prefix over), they share the tree's first; a
+        refusal still changes nothing."""
+        cache = self.cache
+        if cache.can_alloc(need):
+            return True
+        if cache.budget is not None:  # bytes, not pages: the simulator runs one at a time
+            return False
+        found = {lease: self._held_copies(lease) for lease in self.leases}
+        gain = np.zeros(len(self.names), dtype=np.int64)
+        for hit in found.values():
+            if hit is not None:
+                gain += np.count_nonzero(hit[1], axis=1)
+        tree = self.tree
+        if not gain.any() or any(cache.pools[n].free_pages + tree.evictable(n) + gain[row] < k
+                                 for row, n in enumerate(self.names) if (k := need.get(n, 0))):
+            return False
+        for lease, hit in found.items():
+            if hit is not None:
+                self._share_held(lease)
+        return cache.can_alloc(need)
 
     # ------------------------------------------------------------- finish
     def finish(self, lease: Lease, tokens: np.ndarray | Sequence[int], computed: int,
@@ -366,7 +491,11 @@ class CacheManager:
     def _alloc(self, need: dict[str, int]) -> dict[str, np.ndarray] | None:
         got = self.cache.alloc(need) if self.host is None else self.host.alloc_device(need)
         if got is not None and self.poison:
-            self._poison(got)
+            try:
+                self._poison(got)
+            except BaseException:  # not recorded in any lease yet: they go back here
+                self.cache.free(got)
+                raise
         return got
 
     def _poison(self, pages: dict[str, np.ndarray]) -> None:
