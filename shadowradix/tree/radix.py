@@ -449,6 +449,19 @@ class ShadowRadix(Eviction):
         parts = [walk.slot(tier) for walk in self.path(node)]
         return np.concatenate(parts, axis=1) if parts else np.empty((self.n_pools, 0), PAGE)
 
+    def path_tail(self, node: Node, n: int, tier: int = DEVICE) -> np.ndarray:
+        """The last `n` columns of `path_table(node, tier)` (fewer near the root), walking
+        up only as far as they reach: what a lock on `node` pins in the short-lived rows,
+        read at every page a running request crosses, so O(n), not O(depth)."""
+        parts = []
+        walk: Node | None = node
+        while n > 0 and walk is not None and walk is not self.root:
+            take = min(n, walk.n_pages)
+            parts.append(walk.slot(tier)[:, walk.n_pages - take:])
+            n -= take
+            walk = walk.parent
+        return np.concatenate(parts[::-1], axis=1) if parts else np.empty((self.n_pools, 0), PAGE)
+
     def path(self, node: Node) -> list[Node]:
         """The nodes from the root's child down to `node` (empty for the root)."""
         out = []
