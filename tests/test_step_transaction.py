@@ -237,11 +237,11 @@ class HiSparse(StepFaultMachine):
 
 
 TestDeviceOnly = DeviceOnly.TestCase
-TestDeviceOnly.settings = steps(4)
+TestDeviceOnly.settings = steps(6)
 TestHostAndStorage = HostAndStorage.TestCase
-TestHostAndStorage.settings = steps(3)
+TestHostAndStorage.settings = steps(4)
 TestHiSparse = HiSparse.TestCase
-TestHiSparse.settings = steps(3)
+TestHiSparse.settings = steps(4)
 
 
 # ------------------------------------------------- each fault, once, by hand
