@@ -16,10 +16,17 @@ Write policies (CacheConfig.write_policy):
     write_back               back up a node's device pages only when eviction drops them:
                              device allocation and eviction go through `alloc_device` /
                              `evict_device`, which reserve host room, evict, and copy
+
+A copy that fails on the mover's thread is a fault of the step, not of the engine: the
+mover voids it and what was queued behind it, and `recover` (run by the engine before a
+forward) forgets every page those tickets wrote, in the tier they wrote it: a backup or
+spill that never landed leaves no host shadow, a load-back that never landed leaves no
+device page, and the caller restarts whoever read one (it resumes from what is valid).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -34,6 +41,9 @@ from shadowradix.tree.tier import DEVICE, HOST
 
 if TYPE_CHECKING:
     from shadowradix.tiers.mover import Copy, Mover
+
+log = logging.getLogger(__name__)
+Written = list[tuple[str, int, np.ndarray]]  # (pool, tier written, page ids)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -60,6 +70,8 @@ class HostTier:
         # Per device page, the last ticket whose copy reads or writes it (0: none).
         self.busy = {name: np.zeros(pool.num_pages, np.int64)
                      for name, pool in cache.pools.items()}
+        # Per ticket not known to have landed, the pages it writes (forgotten if it fails).
+        self._writes: dict[int, Written] = {}
 
     # ------------------------------------------------------------ load-back
     def load_need(self, match: MatchResult) -> dict[str, int]:
@@ -143,6 +155,7 @@ class HostTier:
 
     def _submit(self, copies: list[Copy]) -> int:
         ticket = self.mover.submit(copies)
+        self._writes[ticket] = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
         for name, tier, src, dst in copies:
             self.busy[name][src if tier == DEVICE else dst] = ticket
             direction = "device->host" if tier == DEVICE else "host->device"
@@ -159,6 +172,39 @@ class HostTier:
             if ids.size:
                 newest = max(newest, int(self.busy[name][ids].max()))
         return newest
+
+    # ------------------------------------------------------- failed copies
+    def recover(self, ticket: int) -> dict[str, np.ndarray]:
+        """After `ticket` is done: forget what failed copies should have written (the host
+        shadows of failed backups, spills and landings, the device pages of failed
+        load-backs); returns the device pages that left the tree, per pool, which nobody
+        may read now (the caller restarts the requests that do). Run it only between
+        cache operations (it changes the tree)."""
+        landed = [t for t in self._writes if self.mover.done(t)]  # before `failures`
+        failed = self.mover.failures(ticket)
+        lost = [self._writes.pop(t, []) for t, _ in failed]
+        for t in landed:
+            self._writes.pop(t, None)
+        if not failed:
+            return {}
+        errors = [exc for _, exc in failed if exc is not None]
+        self.counts["copy_errors"] += len(errors)
+        self.counts["copies_voided"] += len(failed)
+        log.warning("%d host copies failed (%d voided behind them), forgetting their pages: "
+                    "%r", len(errors), len(failed) - len(errors), errors[:1])
+        return self._forget(lost)
+
+    def _forget(self, lost: list[Written]) -> dict[str, np.ndarray]:
+        """Tombstone the tree's cells that hold any of these pages and free them."""
+        rows = {name: row for row, name in enumerate(self.names)}
+        bad: list[list[list[np.ndarray]]] = [[[] for _ in self.names] for _ in range(2)]
+        for written in lost:
+            for name, tier, pages in written:
+                bad[tier][rows[name]].append(np.asarray(pages, dtype=PAGE).ravel())
+        merged = [[np.concatenate(p) if p else np.empty(0, PAGE) for p in tier] for tier in bad]
+        result = self.tree.forget(merged)
+        self.cache.release(result)
+        return {name: pages for name, pages in result.freed.items() if pages.size}
 
     # --------------------------------------------------------- from storage
     def land(self, tokens: np.ndarray, start: int, stop: int,
@@ -178,7 +224,8 @@ class HostTier:
                 return False
             try:
                 if write is not None:
-                    self.mover.run(lambda: write(got))
+                    ticket = self.mover.run(lambda: write(got))
+                    self._writes[ticket] = [(n, HOST, got[n]) for n in self.names]
             except BaseException:
                 cache.free(got, HOST)
                 raise

@@ -15,6 +15,11 @@ tensor. A run of consecutive pages moves as one slice, no gather buffer: on CPU
 one slice across the layers, the slices of a copy spread over a few threads (one
 thread reaches about half of the memory bandwidth); on CUDA one slice per layer,
 so that every host-device copy is contiguous and truly asynchronous.
+
+A copy that fails (ThreadMover) never wedges the mover: it and everything queued behind
+it until the owner collects it (`failures`) are void, since a later copy may read what
+the failed one should have written. The owner (HostTier) knows what each ticket wrote and
+forgets those pages; then the mover runs copies again.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 Copy = tuple[str, int, np.ndarray, np.ndarray]
 Tensors = Callable[[str, int], torch.Tensor]
+Failure = tuple[int, BaseException | None]  # (ticket, its error; None: voided behind one)
 
 
 def page_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
@@ -94,8 +100,16 @@ class Mover:
         raise NotImplementedError
 
     def wait(self, ticket: int) -> None:
-        """Make the compute that follows see the result of `ticket` and all before it."""
+        """Make the compute that follows see the result of `ticket` and all before it.
+        Never raises for a failed copy: `failures` reports it."""
         raise NotImplementedError
+
+    def failures(self, ticket: int) -> list[Failure]:
+        """Once `ticket` is done: the tickets whose work did not happen, each reported once
+        (with nothing still queued behind them), after which copies run again. [] here:
+        a mover whose copies cannot fail on their own thread (StreamMover: a CUDA fault
+        surfaces as a CUDA error on the compute stream, not as a ticket)."""
+        return []
 
     @property
     def idle(self) -> bool:
@@ -106,6 +120,9 @@ class Mover:
 
 
 class ThreadMover(Mover):
+    """Copies on a worker thread. A failed copy voids itself and the work queued behind it
+    until `failures` collects them; nothing raises on the scheduler's side."""
+
     def __init__(self, tensor: Tensors, workers: int | None = None) -> None:
         super().__init__(tensor)
         self.workers = workers or min(4, os.cpu_count() or 1)
@@ -114,7 +131,8 @@ class ThreadMover(Mover):
         self._queue: queue.SimpleQueue[tuple[int, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._finished = 0
         self._cond = threading.Condition()
-        self._error: BaseException | None = None
+        self._failed: list[Failure] = []  # appended by the worker before `_finished` moves
+        self._failing = False  # the worker voids work until `failures` collects
         self._thread = threading.Thread(target=self._work, name="shadowradix-mover", daemon=True)
         self._thread.start()
 
@@ -126,8 +144,6 @@ class ThreadMover(Mover):
         self.bytes_moved += moved
 
     def run(self, fn: Callable[[], None]) -> int:
-        if self._error is not None:
-            raise RuntimeError("a page copy failed earlier") from self._error
         self.last += 1
         self._queue.put((self.last, fn))
         return self.last
@@ -135,10 +151,14 @@ class ThreadMover(Mover):
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             ticket, fn = item
-            try:
-                fn()
-            except BaseException as exc:  # surfaced by the next wait or submit
-                self._error = exc
+            if self._failing:  # it may read what a failed copy left unwritten: void
+                self._failed.append((ticket, None))
+            else:
+                try:
+                    fn()
+                except BaseException as exc:  # reported by `failures`, never raised here
+                    self._failing = True
+                    self._failed.append((ticket, exc))
             with self._cond:
                 self._finished = ticket
                 self._cond.notify_all()
@@ -149,8 +169,17 @@ class ThreadMover(Mover):
     def wait(self, ticket: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._finished >= ticket)
-        if self._error is not None:
-            raise RuntimeError("a page copy failed") from self._error
+
+    def failures(self, ticket: int) -> list[Failure]:
+        """Waits for `ticket`; after a failure, also for everything queued (voided, so
+        quick), so that the failures come back whole and copies may run again."""
+        self.wait(ticket)
+        if not self._failed:
+            return []
+        self.wait(self.last)  # nothing is submitted meanwhile: this is the only submitter
+        out, self._failed = self._failed, []
+        self._failing = False
+        return out
 
     def close(self) -> None:
         if self._thread.is_alive():

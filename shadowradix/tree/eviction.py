@@ -183,6 +183,38 @@ class Eviction:
         room.taken.clear()
         return self._evict_result(freed)
 
+    def forget(self, bad: list[list[np.ndarray]]) -> EvictResult:
+        """Tombstone every cell holding a page of `bad` ([tier][pool row] -> page ids whose
+        bytes never arrived: a failed copy), locked or not, and any node left resident
+        nowhere. An ALL pool is all or nothing per tier, so a bad page there takes the
+        node's other ALL pages in that tier too. The caller frees the pages in the result
+        and stops every reader of the device pages in it."""
+        freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        hit, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for tier, rows in enumerate(bad):
+                slot = node.slot(tier)
+                mask = np.zeros(slot.shape, dtype=bool)
+                for row, pages in enumerate(rows):
+                    if pages.size:
+                        mask[row] = np.isin(slot[row], pages) & (slot[row] >= 0)
+                all_rows = list(self.rule.all_rows)
+                if all_rows and mask[all_rows].any():
+                    mask[all_rows] = slot[all_rows] >= 0
+                if mask.any():
+                    hit.append(node)
+                    for row in range(self.n_pools):
+                        if mask[row].any():
+                            freed[tier][row].append(slot[row][mask[row]])
+                    self._count(mask, -1, tier, node)
+                    slot[mask] = -1
+        for node in hit:
+            if node.alive:
+                self._drop_dead_leaf(node, freed)
+        return self._evict_result(freed)
+
     def _evict_result(self, freed: Freed) -> EvictResult:
         out = [{p.name: (np.concatenate(f[i]) if f[i] else np.empty(0, PAGE))
                 for i, p in enumerate(self.layout.pools)} for f in freed]
