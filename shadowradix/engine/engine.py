@@ -34,7 +34,7 @@ from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.sparse import AccessStream
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.host_tier import HostTier
-from shadowradix.tiers.manager import CacheManager
+from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.mover import mover_for
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
@@ -261,6 +261,10 @@ class Engine:
         sched = self.scheduler
         sched.admit()
         chunks = sched.plan()
+        if chunks and self.host is not None:
+            chunks = self._copies_landed(chunks)
+            if not chunks:  # the requests a failed copy broke resume next step
+                return
         if not chunks:
             if sched.waiting and not sched.running:
                 raise RuntimeError("no request can run: the pools are pinned by locks")
@@ -311,9 +315,6 @@ class Engine:
         if self.record_topk:  # a chunk that ends at an output token ends in a decode query
             ends = c.end == len(c.request.ids) and c.end > c.request.prompt_len
             kv.topk = c.request.topk if ends else None
-        if self.host is not None:
-            assert c.request.lease is not None
-            self._wait_for_copies(c.request.lease.ready)
         lease = c.request.lease
         assert lease is not None
         if c.start == lease.cached and c.start:  # first chunk after a cache hit
@@ -394,6 +395,24 @@ class Engine:
             self.scheduler.abort(req)
         except Exception:  # its lease is detached: free it as an orphan
             self.scheduler.release_orphans()
+
+    def _copies_landed(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Wait for the chunks' host copies. Where copies failed, the pages they should
+        have filled left the cache (HostTier.recover); every running request that reads
+        one goes back to the queue and resumes from what is valid, the others run."""
+        assert self.host is not None
+        for c in chunks:
+            assert c.request.lease is not None
+            self._wait_for_copies(c.request.lease.ready)
+        lost = self.host.recover(max(c.request.lease.ready for c in chunks
+                                     if c.request.lease is not None))
+        if not lost:
+            return chunks
+        broken = [r for r in self.scheduler.running
+                  if r.lease is not None and _reads_any(r.lease, self.layout.pool_names, lost)]
+        for req in broken:
+            self.scheduler.requeue(req)
+        return [c for c in chunks if c.request not in broken]
 
     def _wait_for_copies(self, ticket: int) -> None:
         """Its pages are back from the host before the forward reads them. A wait that
@@ -506,6 +525,12 @@ class Engine:
             self.host.mover.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _reads_any(lease: Lease, names: Sequence[str], pages: dict[str, np.ndarray]) -> bool:
+    """Whether a lease reads any of these pages from the tree (not its own)."""
+    return any(name in pages and np.isin(lease.table[row][~lease.own[row]], pages[name]).any()
+               for row, name in enumerate(names))
 
 
 def _check_return_logits(value: object) -> None:
