@@ -93,27 +93,37 @@ def test_overload_past_max_queue_is_503():
             assert r.headers["retry-after"]
         assert all(r.json()["usage"]["completion_tokens"] == 4 for r in served)
         wait_for(lambda: metrics(server.url)["shadowradix:num_requests_waiting"] == 0)
+        # More answers at once than the queue ever holds: never servable, so 400, not 503.
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "max-queue" in r.json()["error"]["message"]
     finally:
         server.stop()
 
 
 def test_an_engine_fault_fails_the_requests_in_flight_and_serving_goes_on():
+    """A step that keeps failing (STEP_RETRIES times in a row: a single failure is retried,
+    the step being a transaction) fails the requests in flight; serving goes on."""
+    from shadowradix.server.engine_loop import STEP_RETRIES
+
     server = ServerThread.from_args("--model", "tiny")
     try:
-        def break_next_step(engine) -> None:
-            real = engine.step
+        def break_next_steps(engine) -> None:
+            real, left = engine.step, [STEP_RETRIES]
 
             def step():
-                engine.step = real
+                left[0] -= 1
+                if not left[0]:
+                    engine.step = real
                 raise RuntimeError("injected fault")
             engine.step = step
 
-        server.on_engine(break_next_step)
+        server.on_engine(break_next_steps)
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
         assert r.status_code == 500
         assert r.json()["error"]["code"] == "internal_error"
         assert "injected fault" in r.json()["error"]["message"]
-        server.on_engine(break_next_step)
+        server.on_engine(break_next_steps)
         with httpx.stream("POST", f"{server.url}/v1/completions",
                           json={"prompt": "x", "max_tokens": 3, "stream": True}) as s:
             events = [line for line in s.iter_lines() if line]

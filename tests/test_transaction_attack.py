@@ -1,15 +1,13 @@
-"""Adversarial reproductions against "a step is a transaction" (README) and the sampling
-options. Each test is named for the defect it shows; all use small configs."""
+"""Defects an adversarial review found in "a step is a transaction" (README) and the
+sampling options, each a test named for the defect it showed (all fixed); small configs."""
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
 
-import pytest
-import torch
 from test_engine import rand_tokens
+from test_step_transaction import Injected, Interrupt, fault
 from tiny_model import reference_logits, tiny_model
 
 import shadowradix.tiers.mover as mover_module
@@ -23,32 +21,6 @@ from shadowradix.tree.radix import ShadowRadix
 MODEL = tiny_model()
 TOL = 1e-4
 P = SamplingParams(max_new_tokens=6, ignore_eos=True)
-
-
-class Interrupt(BaseException):
-    """Ctrl-C."""
-
-
-class Injected(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def fault(owner: object, attr: str, nth: int, kind: type[BaseException]) -> Iterator[list[int]]:
-    original = getattr(owner, attr)
-    calls = [0]
-
-    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls[0] += 1
-        if calls[0] == nth:
-            raise kind(f"{attr} call {nth}")
-        return original(*args, **kwargs)
-
-    setattr(owner, attr, failing)
-    try:
-        yield calls
-    finally:
-        setattr(owner, attr, original)
 
 
 def drain(eng: Engine, seen: dict, limit: int = 300) -> None:
@@ -220,7 +192,7 @@ def test_one_failed_host_copy_wedges_the_engine_forever():
             break
         try:
             drain_once(eng, seen)
-        except Exception as e:  # noqa: PERF203
+        except Exception as e:
             errors.append(e)
     assert not errors, f"every step raises after one copy fault: {errors[0]!r}"
     assert seen[rid]["err"] is None, f"a later request failed: {seen[rid]['err']!r}"

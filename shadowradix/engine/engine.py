@@ -266,7 +266,7 @@ class Engine:
             if not chunks:  # the requests a failed copy broke resume next step
                 return
         if not chunks:
-            if sched.waiting and not sched.running:
+            if sched.waiting and not sched.running and not sched.preempted:
                 raise RuntimeError("no request can run: the pools are pinned by locks")
             return
         snaps = {c.request: Snapshot.take(c.request) for c in chunks}

@@ -53,6 +53,12 @@ class Scheduler:
         self.deferred = 0  # request-steps sat out while their copies ran
         self._preempted_last_step = False
 
+    @property
+    def preempted(self) -> bool:
+        """Whether the last `plan` preempted (a lone request that preempted itself is
+        admitted again next step, from what it cached)."""
+        return self._preempted_last_step
+
     def fits_ever(self, req: Request) -> bool:
         """Whether the request runs to completion alone in the device pools (its chunks cut
         to fit the window and state pools, down to one token a step)."""
