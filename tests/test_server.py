@@ -196,7 +196,8 @@ def test_stop_strings_and_stop_tokens(server, client, reference):
         "input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
                                               "ignore_eos": True, "stop_token_ids": [cut]}}
                       ).json()
-    assert gen2["output_ids"] == gen["output_ids"][:first]
+    assert gen2["output_ids"] == gen["output_ids"][:first + 1]  # the stop token counts, as EOS
+    assert gen2["text"] == tok.decode(gen["output_ids"][:first], skip_special_tokens=True)
     assert gen2["meta_info"]["finish_reason"] == {"type": "stop", "matched": cut}
 
 

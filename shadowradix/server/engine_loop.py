@@ -198,19 +198,16 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         batches: dict[int, tuple[Submission, Delivery]] = {}
-        tokens = 0
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            tokens += len(out.new_token_ids)
             if out.cached_by_tier is not None:
                 queued = (out.admitted_at or live.sub.arrival) - live.sub.arrival
                 self.metrics.admitted(live.prompt_len, out.cached_by_tier, queued)
             if out.finished:
                 del self._live[out.request_id]
             batches.setdefault(id(live.sub), (live.sub, []))[1].append((live.index, out))
-        self.metrics.generated(tokens)
         for sub, items in batches.values():
             self._deliver(sub, items)
 

@@ -1,9 +1,14 @@
 """One HTTP request's run on the engine: its choices (prompts x n), as a stream of text.
 
 Every endpoint (completions, chat, /generate) is this plus a response format. A choice
-ends when the engine finishes it (EOS: "stop"; max tokens: "length"), or when a stop
-string or stop token appears (then the engine request is aborted at once), or when the
+ends when the engine finishes it (EOS or a stop token id: "stop"; max tokens: "length"),
+or when a stop string appears (then the engine request is aborted at once), or when the
 client goes away (all are aborted, so their pages are freed before the next step).
+
+Tokens are counted (usage, and the generation_tokens metric) where they are handed to
+the client, so the two always agree: an EOS or stop token id counts (it is the last of
+the output ids, as in vLLM, though never in the text), and tokens the engine made after
+a stop string, before our abort reached it, do not.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from shadowradix.engine import SamplingParams
 from shadowradix.engine.cache_control import TIERS
+from shadowradix.engine.config import MIN_TEMPERATURE
 from shadowradix.engine.request import StepOutput
 from shadowradix.server.engine_loop import Delivery, EngineLoop, Overloaded, Submission
 from shadowradix.server.metrics import ServerMetrics
@@ -33,6 +39,9 @@ class Options:
     max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    min_tokens: int = 0
     seed: int | None = None
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
@@ -61,13 +70,35 @@ class Choice:
         return sum((self.cached_by_tier or {}).values())
 
 
-def options(body: Decoding, max_tokens: int | None, seed: int | None) -> Options:
-    """A request body's decoding fields (its own names for the limit and the seed)."""
+def options(body: Decoding, max_tokens: int | None, seed: int | None,
+            min_tokens: int | None = None) -> Options:
+    """A request body's decoding fields (its own names for the limits and the seed)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return Options(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                   top_k=body.top_k_or_off, min_p=body.min_p,
+                   min_tokens=body.min_tokens if min_tokens is None else min_tokens,
                    seed=seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                    ignore_eos=body.ignore_eos, n=body.n,
                    skip_special_tokens=body.skip_special_tokens)
+
+
+def sampling_params(opts: Options, limit: int, seed: int) -> SamplingParams:
+    """The engine's parameters for one choice. A temperature below MIN_TEMPERATURE is
+    greedy (the engine's own rule, so the two cannot disagree); anything the engine still
+    refuses is the client's 400, not a 500."""
+    if opts.min_tokens > limit:
+        raise ApiError(f"min_tokens {opts.min_tokens} exceeds the {limit} tokens this answer "
+                       f"may have (max_tokens, or the room the prompt leaves)",
+                       param="min_tokens")
+    greedy = opts.temperature < MIN_TEMPERATURE
+    try:
+        return SamplingParams(
+            max_new_tokens=limit, greedy=greedy,
+            temperature=1.0 if greedy else opts.temperature, top_p=opts.top_p,
+            top_k=opts.top_k, min_p=opts.min_p, min_tokens=opts.min_tokens,
+            stop_token_ids=tuple(opts.stop_token_ids), seed=seed, ignore_eos=opts.ignore_eos)
+    except ValueError as e:
+        raise ApiError(f"the engine refused the sampling parameters: {e}") from None
 
 
 class Generation:
@@ -100,12 +131,9 @@ class Generation:
             for _ in range(opts.n):
                 self.choices.append(Choice(len(self.choices), p, len(prompt),
                                            TextStream(tokenizer, opts.stop,
-                                                      opts.skip_special_tokens)))
-                params.append(SamplingParams(
-                    max_new_tokens=limit, greedy=opts.temperature == 0,
-                    temperature=opts.temperature if opts.temperature > 0 else 1.0,
-                    top_p=opts.top_p, seed=(seed + len(params)) % 2**63,
-                    ignore_eos=opts.ignore_eos))
+                                                      opts.skip_special_tokens,
+                                                      opts.min_tokens)))
+                params.append(sampling_params(opts, limit, (seed + len(params)) % 2**63))
         self._params = params
         self._queue: asyncio.Queue[Delivery | None] = asyncio.Queue()
         self._open = 0
@@ -170,23 +198,20 @@ class Generation:
             c.gaps.append(now - c.last_token)
         c.last_token = now
         new = list(out.new_token_ids)
-        stopped_at = next((i for i, t in enumerate(new) if t in self.opts.stop_token_ids), None)
-        if stopped_at is not None:
-            c.matched = new[stopped_at]
-            new = new[:stopped_at]
         c.token_ids += new
-        piece = c.text.add(new)
-        if c.text.stopped is not None or stopped_at is not None:
-            if c.text.stopped is not None:
-                c.matched = c.text.stopped
+        self.metrics.generated(len(new))  # what the client gets: usage counts the same
+        stop_id = out.finished and bool(new) and new[-1] in self.opts.stop_token_ids
+        piece = c.text.add(new[:-1] if stop_id else new)  # a stop id is never text
+        if c.text.stopped is not None:
+            c.matched = c.text.stopped
             self._end(c, "stop")
             if not out.finished:
                 self.loop.abort([c.request_id])
         elif out.finished:
             eos = bool(new) and new[-1] in self.eos and not self.opts.ignore_eos
-            if eos:
+            if stop_id or eos:
                 c.matched = new[-1]
-            self._end(c, "stop" if eos else "length")
+            self._end(c, "stop" if stop_id or eos else "length")
         else:
             return piece
         return piece + c.text.finish()

@@ -60,7 +60,8 @@ async def generate(request: Request) -> Any:
     body = await rt.parse(GenerateRequest, request)
     prompts, batch = await rt.off_loop(_prompts, rt, body)
     sp = body.sampling_params
-    gen = rt.generation(prompts, options(sp, sp.max_new_tokens, sp.sampling_seed))
+    gen = rt.generation(prompts, options(sp, sp.max_new_tokens, sp.sampling_seed,
+                                         sp.least_tokens))
     await gen.start()
     if body.stream:
         return StreamingResponse(_stream(gen), media_type="text/event-stream",

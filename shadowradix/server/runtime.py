@@ -17,7 +17,7 @@ from shadowradix.server.engine_loop import EngineLoop
 from shadowradix.server.generation import Generation, Options
 from shadowradix.server.metrics import ServerMetrics
 from shadowradix.server.protocol import MAX_CHOICES, ApiError, Body, parse
-from shadowradix.server.tokenizer import TextBound
+from shadowradix.server.tokenizer import TextBound, chat_ids
 
 T = TypeVar("T")
 B = TypeVar("B", bound=Body)
@@ -60,11 +60,12 @@ class Runtime:
     eos: frozenset[int] = frozenset()
     max_len: int = 0  # prompt + output tokens one request may hold
     settings: dict[str, Any] = field(default_factory=dict)  # the engine's, for /server_info
+    # --allow-special-tokens-in-content: special-token text in chat content stays special
+    specials_in_content: bool = False
     limits: Limits = field(default_factory=Limits)
     text_bound: TextBound | None = None  # refuses text too long to ever fit, untokenized
     _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         TOKENIZER_THREADS, thread_name_prefix="shadowradix-tokenize"), repr=False)
-
 
     def loaded(self) -> None:
         """Raise 503 while the model is still loading (or failed to)."""
@@ -102,20 +103,10 @@ class Runtime:
             self.text_bound.check(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
                     ) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ApiError("this model's tokenizer has no chat template; use /v1/completions",
-                           param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        except Exception as e:  # a template's own raise_exception (e.g. roles out of order)
-            raise ApiError(f"messages: the chat template refused them: {e}",
-                           param="messages") from None
-        # the template adds BOS itself
-        return self.encode(text, add_special_tokens=False, param="messages")
+        return chat_ids(self.tokenizer, messages, add_generation_prompt,
+                        self.specials_in_content, self.text_bound)
 
     def body_limit(self) -> int:
         """Bytes a request body may have (derived from the model once it is loaded)."""

@@ -84,6 +84,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                     help="seconds a shutdown waits for requests in flight before aborting")
     add_limit_arguments(ap)
+    ap.add_argument("--allow-special-tokens-in-content", action="store_true",
+                    help="special-token text inside chat messages is encoded as those special "
+                    "tokens (by default it is plain text, so a client cannot forge a turn)")
 
 
 def _api_key(key: str) -> str:
@@ -152,7 +155,9 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)
     metrics = ServerMetrics(name)
     runtime = Runtime(loop=None, metrics=metrics, model_name=name,  # type: ignore[arg-type]
-                      root=args.model, api_key=args.api_key, limits=limits_from_args(args))
+                      root=args.model, api_key=args.api_key,
+                      specials_in_content=args.allow_special_tokens_in_content,
+                      limits=limits_from_args(args))
 
     def build() -> Any:
         import torch

@@ -9,7 +9,8 @@ released is a prefix of the whole decode (cut at the first stop string); `finish
 releases the rest, so the streamed pieces always join into the non-streamed text. Where
 stop strings overlap, the text ends at the first to complete as it grows character by
 character (as if checked after every character), so where tokens split the text makes
-no difference.
+no difference. With `min_tokens`, as in vLLM, a stop string counts only if it completes
+after the text of the first `min_tokens - 1` tokens (the answer cannot end earlier).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ INCOMPLETE = "\ufffd"
 
 class TextStream:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -31,6 +32,8 @@ class TextStream:
         self.text = ""  # settled text (a prefix of the final text, before any stop cut)
         self.sent = 0  # characters of `text` released
         self.stopped: str | None = None  # the stop string that ended the text
+        self.min_tokens = min_tokens
+        self._floor = 0  # a stop string must end past this much text (min_tokens)
         self._prefix = 0  # the window [prefix, read) decodes to the end of `text`
         self._read = 0
 
@@ -48,6 +51,8 @@ class TextStream:
         if len(after) > len(before) and not after.endswith(INCOMPLETE):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.ids)
+        if len(self.ids) < self.min_tokens:
+            self._floor = len(self.text)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -62,8 +67,7 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stop and self.stopped is None:
             # None starts before `sent`: the hold kept back any that could, until whole.
-            hits = [(i + len(s), i, s) for s in self.stop
-                    if (i := self.text.find(s, self.sent)) >= 0]
+            hits = [(i + len(s), i, s) for s in self.stop if (i := self._find(s)) >= 0]
             if hits:  # the first to complete as the text grows (then the longest)
                 _, cut, self.stopped = min(hits)
                 self.text = self.text[:cut]
@@ -72,6 +76,10 @@ class TextStream:
         piece = self.text[self.sent:end]
         self.sent = end
         return piece
+
+    def _find(self, stop: str) -> int:
+        """Where `stop` first occurs in the unsent text ending past the floor; -1: nowhere."""
+        return self.text.find(stop, max(self.sent, self._floor - len(stop) + 1))
 
     @property
     def output(self) -> str:

@@ -4,11 +4,18 @@ The tiny model's is a byte-level BPE trained at start-up with the `tokenizers` l
 a small built-in text, padded to the model's vocabulary so every id it can emit decodes.
 Its special tokens and chat template follow DeepSeek's, with ids matching the model
 config (bos 0, eos 1). Nothing is downloaded.
+
+Chat prompts (`chat_ids`) keep the template's markers special but, by default, encode the
+text of a special token typed into a message's content as plain text, so a client cannot
+forge a turn (an end-of-sentence and an Assistant marker inside a user message).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +77,94 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool
+             = True, specials_in_content: bool = False, bound: TextBound | None = None
+             ) -> list[int]:
+    """The chat template over `messages`, as token ids. The template's own special tokens
+    stay special; special-token text inside a message's content is encoded as plain text
+    unless `specials_in_content` (the server's --allow-special-tokens-in-content). ApiError
+    (400) if the template refuses the messages, or moves content so it cannot be told apart.
+    Content with no special-token text is encoded exactly as the whole rendered text is."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError("this model's tokenizer has no chat template; use /v1/completions",
+                       param="messages")
+    pattern = None if specials_in_content else _specials(tokenizer)
+    marked = [i for i, m in enumerate(messages)
+              if pattern is not None and pattern.search(m["content"])]
+    if not marked:
+        text = _render(tokenizer, messages, add_generation_prompt)
+        if bound is not None:
+            bound.check(text, "messages")
+        return _encode(tokenizer, text)
+    return _encode_marked(tokenizer, messages, marked, add_generation_prompt, bound)
+
+
+def _encode_marked(tokenizer: Any, messages: Sequence[dict[str, str]], marked: list[int],
+                   add_generation_prompt: bool, bound: TextBound | None = None) -> list[int]:
+    """Render with each marked message's content between two sentinels, then encode the
+    template's text with its special tokens and the content between the sentinels with
+    split_special_tokens (every special token's text as plain text)."""
+    opening, closing = _sentinels(messages)
+    wrapped = [dict(m, content=f"{opening}{m['content']}{closing}") if i in marked else m
+               for i, m in enumerate(messages)]
+    text = _render(tokenizer, wrapped, add_generation_prompt)
+    parts = re.split(f"({re.escape(opening)}|{re.escape(closing)})", text)
+    marks = parts[1::2]
+    if marks != [opening, closing] * len(marked):
+        raise ApiError(f"messages[{marked[0]}].content: it holds special-token text the chat "
+                       f"template does not keep apart; remove it, or start the server with "
+                       f"--allow-special-tokens-in-content", param="messages.content")
+    if bound is not None:
+        bound.check("".join(parts[0::2]), "messages")
+    ids: list[int] = []
+    for i, part in enumerate(parts[0::2]):
+        ids += _encode(tokenizer, part, plain=i % 2 == 1)
+    return ids
+
+
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool
+            ) -> str:
+    try:
+        return str(tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False))
+    except Exception as e:  # a template's own raise_exception (e.g. roles out of order)
+        raise ApiError(f"messages: the chat template refused them: {e}",
+                       param="messages") from None
+
+
+def _encode(tokenizer: Any, text: str, plain: bool = False) -> list[int]:
+    """The template adds BOS itself, so no special tokens are added here."""
+    if not text:
+        return []
+    if plain:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _sentinels(messages: Sequence[dict[str, str]]) -> tuple[str, str]:
+    """Two private-use characters that occur in no message."""
+    used = set("".join(m["content"] for m in messages))
+    free = (chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in used)
+    return next(free), next(free)
+
+
+_PATTERNS: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
+
+
+def _specials(tokenizer: Any) -> re.Pattern[str] | None:
+    """One pattern matching the text of any of the tokenizer's special tokens (None: it
+    has none), built once per tokenizer."""
+    try:
+        return _PATTERNS[tokenizer]
+    except KeyError:
+        pass
+    texts = sorted({t.content for t in tokenizer.added_tokens_decoder.values()
+                    if getattr(t, "special", False)}, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+    _PATTERNS[tokenizer] = pattern
+    return pattern
 
 
 @dataclass(frozen=True)
