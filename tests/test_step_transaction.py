@@ -268,9 +268,10 @@ def collect(seen: dict[str, Tracked], outputs) -> None:  # type: ignore[no-untyp
 @pytest.mark.parametrize("kind", [Injected, Interrupt])
 def test_a_fault_at_each_point_of_a_step_leaves_every_request_exact(owner, attr, kind):
     """Three requests; the fault fires at the first call of the point after the first
-    step (the third, inside the forward). The step either fails whole (every request pending, exact after the retry) or,
-    for a request's own booking, fails that request alone while the others finish exact;
-    what was produced before the fault is returned by the next step."""
+    step (the third, inside the forward). The step either fails whole (every request
+    pending, exact after the retry) or, for a request's own booking, fails that request
+    alone while the others finish exact; what was produced before the fault is returned
+    by the next step."""
     eng = Engine(MODEL, CacheConfig(page_size=16, device_tokens=1024, debug_poison=True),
                  step_tokens=40)
     ps = prompts()

@@ -23,6 +23,7 @@ from shadowradix.engine.request import StepOutput
 from shadowradix.server.metrics import ServerMetrics
 
 log = logging.getLogger("shadowradix.server")
+STEP_RETRIES = 2  # a step that fails this many times in a row fails the requests in flight
 T = TypeVar("T")
 # What a submission receives each step: (its prompt index, the output or the step's error).
 Delivery = list[tuple[int, StepOutput | BaseException]]
@@ -30,6 +31,10 @@ Delivery = list[tuple[int, StepOutput | BaseException]]
 
 class Overloaded(Exception):
     """More requests wait for admission than the server's --max-queue allows."""
+
+
+class NeverQueued(ValueError):
+    """One submission asks for more answers (prompts x n) than --max-queue ever admits."""
 
 
 @dataclass
@@ -127,6 +132,7 @@ class EngineLoop:
         self.ready.set()
         engine = self.engine
         self._publish(engine)
+        failures = 0  # steps that failed in a row
         while not self._stopping:
             # Sleep on the queue when idle; between steps, only take what is there.
             changed = bool(self._run_commands(block=not engine.has_unfinished()))
@@ -134,10 +140,18 @@ class EngineLoop:
                 changed = True
                 try:
                     outputs = engine.step()
-                except Exception as e:
-                    log.exception("engine step failed; failing the requests in flight")
+                except Exception as e:  # the step as a whole: every request is pending
+                    failures += 1
+                    if failures < STEP_RETRIES:
+                        log.exception("engine step failed; retrying it (the step is a "
+                                      "transaction: the requests in flight stay exact)")
+                        continue
+                    log.exception("engine step failed %d times in a row; failing the "
+                                  "requests in flight", failures)
                     self._fail_all(e)
+                    failures = 0
                 else:
+                    failures = 0
                     if outputs:
                         self._dispatch(outputs)
                     else:
@@ -172,6 +186,11 @@ class EngineLoop:
         if not fut.set_running_or_notify_cancel():
             return
         waiting = len(engine.scheduler.waiting)
+        if self.max_queue is not None and len(sub.prompts) > self.max_queue:
+            fut.set_exception(NeverQueued(
+                f"this request asks for {len(sub.prompts)} answers at once (prompts x n) and "
+                f"--max-queue is {self.max_queue}: it can never be queued"))
+            return
         if self.max_queue is not None and waiting + len(sub.prompts) > self.max_queue:
             fut.set_exception(Overloaded(
                 f"the server is overloaded: {waiting} requests wait for admission and "
@@ -207,7 +226,8 @@ class EngineLoop:
                 self.metrics.admitted(live.prompt_len, out.cached_by_tier, queued)
             if out.finished:
                 del self._live[out.request_id]
-            batches.setdefault(id(live.sub), (live.sub, []))[1].append((live.index, out))
+            item = out if out.error is None else out.error  # it failed alone
+            batches.setdefault(id(live.sub), (live.sub, []))[1].append((live.index, item))
         for sub, items in batches.values():
             self._deliver(sub, items)
 

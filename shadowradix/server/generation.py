@@ -26,7 +26,7 @@ from shadowradix.engine import SamplingParams
 from shadowradix.engine.cache_control import TIERS
 from shadowradix.engine.config import MIN_TEMPERATURE
 from shadowradix.engine.request import StepOutput
-from shadowradix.server.engine_loop import Delivery, EngineLoop, Overloaded, Submission
+from shadowradix.server.engine_loop import Delivery, EngineLoop, NeverQueued, Overloaded, Submission
 from shadowradix.server.metrics import ServerMetrics
 from shadowradix.server.protocol import ApiError, Decoding
 from shadowradix.server.text_stream import TextStream
@@ -159,6 +159,8 @@ class Generation:
         except Overloaded as e:
             raise ApiError(str(e), status=503, code="overloaded", type="server_error",
                            headers={"Retry-After": "1"}) from None
+        except NeverQueued as e:  # more answers than the queue can ever hold: no retry helps
+            raise ApiError(str(e), param="n", code="integer_above_max_value") from None
         except ValueError as e:
             raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
         except RuntimeError as e:  # the engine is closed: the server is shutting down
