@@ -130,10 +130,11 @@ class ServerMetrics:
             self.cached_tokens.labels(m, tier).inc(n)
         self.queue.labels(m).observe(max(queue_seconds, 0.0))
 
+    # ---------------------------------------------------------- HTTP side
     def generated(self, tokens: int) -> None:
+        """Tokens handed to a client (counted where usage is, so the two always agree)."""
         self.generation_tokens.labels(self.model_name).inc(tokens)
 
-    # ---------------------------------------------------------- HTTP side
     def request_ended(self, reason: str, e2e: float, ttft: float | None,
                       gaps: list[float]) -> None:
         m = self.model_name
