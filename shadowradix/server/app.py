@@ -31,6 +31,7 @@ from shadowradix.server.runtime import Runtime
 log = logging.getLogger("shadowradix.server")
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed (probes and Prometheus)
 CLOSE = {"Connection": "close"}  # after a refusal that leaves the body unread
+BODY_RATE = 64 * 1024  # bytes/s a body must average once its first --read-timeout is over
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -135,12 +136,17 @@ class BodyReader:
             raise self.too_large(limit)
         chunks: list[bytes] = []
         size, more = 0, True
+        start = asyncio.get_running_loop().time()
         while more:
+            # A stall of `timeout` between chunks, or a trickle slower than BODY_RATE past
+            # the first `timeout` seconds, is a 408: no body holds its connection for long.
+            left = start + self.timeout + size / BODY_RATE - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), self.timeout)
+                message = await asyncio.wait_for(receive(), max(min(self.timeout, left), 0))
             except TimeoutError:
-                raise ApiError(f"the request body stalled for {self.timeout:g} s "
-                               f"(--read-timeout)", status=408, code="request_timeout",
+                raise ApiError(f"the request body stalled or trickled (--read-timeout "
+                               f"{self.timeout:g} s between chunks, {BODY_RATE // 1024} KiB/s "
+                               f"after that)", status=408, code="request_timeout",
                                headers=CLOSE) from None
             if message["type"] == "http.disconnect":
                 return None
@@ -203,8 +209,11 @@ def build_app(runtime: Runtime) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
+        # Starlette re-raises after this answer and uvicorn then drops the connection: say
+        # so, so a client (or a router's pool) never sends its next request down it.
         return error_response(ApiError(f"internal error: {type(e).__name__}: {e}", status=500,
-                                       code="internal_error", type="server_error"))
+                                       code="internal_error", type="server_error",
+                                       headers=CLOSE))
 
     def loaded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Any]:
         async def run(request: Request) -> Any:

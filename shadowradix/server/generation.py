@@ -138,6 +138,8 @@ class Generation:
         self._queue: asyncio.Queue[Delivery | None] = asyncio.Queue()
         self._open = 0
         self._ended = False
+        self.gone = False  # the client went away
+        self._taken = self._counted = 0  # tokens taken from the engine / counted as received
 
     async def start(self) -> None:
         """Queue every choice on the engine (all or none). ApiError 400 for a request the
@@ -161,7 +163,9 @@ class Generation:
                            headers={"Retry-After": "1"}) from None
         except NeverQueued as e:  # more answers than the queue can ever hold: no retry helps
             raise ApiError(str(e), param="n", code="integer_above_max_value") from None
-        except ValueError as e:
+        except ValueError as e:  # the engine's own checks: the vocabulary, or the length
+            if str(e).startswith("stop_token_ids"):
+                raise ApiError(str(e), param="stop_token_ids") from None
             raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
         except RuntimeError as e:  # the engine is closed: the server is shutting down
             raise ApiError(str(e), status=503, code="shutting_down",
@@ -201,7 +205,7 @@ class Generation:
         c.last_token = now
         new = list(out.new_token_ids)
         c.token_ids += new
-        self.metrics.generated(len(new))  # what the client gets: usage counts the same
+        self._taken += len(new)
         stop_id = out.finished and bool(new) and new[-1] in self.opts.stop_token_ids
         piece = c.text.add(new[:-1] if stop_id else new)  # a stop id is never text
         if c.text.stopped is not None:
@@ -226,8 +230,16 @@ class Generation:
                                    None if c.first_token is None else c.first_token
                                    - self.arrival, c.gaps)
 
+    def delivered(self) -> None:
+        """What was taken so far reached the client (a stream's chunk was sent, a whole
+        answer is being returned): `generation_tokens_total` counts it, as usage does. A
+        whole answer that fails or whose client left counts nothing."""
+        self.metrics.generated(self._taken - self._counted)
+        self._counted = self._taken
+
     def disconnected(self) -> None:
         """The client went away: abort everything (events() ends)."""
+        self.gone = True
         self._queue.put_nowait(None)
         self.close()
 

@@ -77,6 +77,7 @@ async def _stream(gen: Generation) -> AsyncIterator[bytes]:
         async for c, _ in gen.events():
             yield sse({"index": c.index, "text": c.text.output, "output_ids": c.token_ids,
                        "meta_info": _meta(gen, c)})
+            gen.delivered()
     except ApiError as e:  # the status line is long gone: the error is the last event
         yield sse(e.body())
     finally:

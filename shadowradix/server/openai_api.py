@@ -106,6 +106,7 @@ async def _stream(gen: Generation, head: dict[str, Any], chat: bool,
                 yield chunk(c.index, piece, None)
             if c.finish_reason is not None:
                 yield chunk(c.index, None, c.finish_reason, c.matched)
+            gen.delivered()
         if include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage()})
     except ApiError as e:  # the status line is long gone: the error is the last event

@@ -80,7 +80,8 @@ def neutral(*values: Any, hint: str = "") -> AfterValidator:
 
 NO_PENALTY = neutral(0.0, hint=" (no penalties)")
 Unset = Annotated[Any, neutral(None)]
-Stop = str | list[str] | None
+MAX_STOPS = 64  # stop strings a request may send: each is searched at every token
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -109,6 +110,15 @@ class Decoding(Body):
     logit_bias: Annotated[dict[str, Any], neutral({})] | None = None
     include_stop_str_in_output: Annotated[bool, neutral(False)] = False  # vLLM's
     no_stop_trim: Annotated[bool, neutral(False)] = False  # SGLang's
+    # vLLM's and SGLang's other answer-changing extras, not implemented: refused.
+    allowed_token_ids: Annotated[list[Any], neutral([])] | None = None
+    bad_words: Annotated[list[Any], neutral([])] | None = None
+    truncate_prompt_tokens: Unset = None
+    use_beam_search: Annotated[bool, neutral(False)] = False
+    prompt_logprobs: Unset = None
+    stop_regex: Unset = None
+    custom_logit_processor: Unset = None
+    logits_processors: Unset = None
 
     @property
     def top_k_or_off(self) -> int:
@@ -153,6 +163,7 @@ class TextPart(Body):
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    tool_calls: Annotated[list[Any], neutral([], hint=" (no tool calling)")] | None = None
 
     def as_dict(self) -> dict[str, str]:
         """For the chat template: OpenAI's `developer` role is the system prompt."""
@@ -177,6 +188,9 @@ class ChatRequest(Sampling):
     tool_choice: Annotated[Any, neutral("none", "auto", hint=" (no tool calling)")] = None
     function_call: Annotated[Any, neutral("none", "auto", hint=" (no tool calling)")] = None
     chat_template_kwargs: Annotated[dict[str, Any], neutral({})] | None = None
+    chat_template: Unset = None  # the model's own template only
+    add_generation_prompt: Annotated[bool, neutral(True)] = True
+    continue_final_message: Annotated[bool, neutral(False)] = False
 
     @property
     def limit(self) -> int | None:
@@ -239,8 +253,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 def parse(cls: type[B], raw: bytes, max_choices: int = MAX_CHOICES) -> B:
     """The body as `cls`, or ApiError(400) naming the first field that is wrong. A body
     asking for more than `max_choices` choices is refused before it is validated."""
-    try:
-        data = json.loads(raw)
+    try:  # JSON over HTTP is UTF-8 (RFC 8259): no UTF-16/32 guessing past the checks below
+        data = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(f"the body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:  # the decoder recurses per level of nesting

@@ -142,6 +142,8 @@ async def complete(request: Request, gen: Generation) -> None:
     try:
         async for _ in gen.events():
             pass
+        if not gen.gone:
+            gen.delivered()
     finally:
         task.cancel()
         gen.close()

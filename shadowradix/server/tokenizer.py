@@ -93,6 +93,9 @@ def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_
     pattern = None if specials_in_content else _specials(tokenizer)
     marked = [i for i, m in enumerate(messages)
               if pattern is not None and pattern.search(m["content"])]
+    if pattern is not None and not marked and pattern.search(
+            "".join(m["content"] for m in messages)):  # split across messages that touch
+        marked = [i for i, m in enumerate(messages) if m["content"]]
     if not marked:
         text = _render(tokenizer, messages, add_generation_prompt)
         if bound is not None:
