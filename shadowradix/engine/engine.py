@@ -269,7 +269,8 @@ class Engine:
             if sched.waiting and not sched.running and not sched.preempted:
                 raise RuntimeError("no request can run: the pools are pinned by locks")
             return
-        snaps = {c.request: Snapshot.take(c.request) for c in chunks}
+        snaps = {c.request: Snapshot.take(c.request, c.end == len(c.request.ids))
+                 for c in chunks}
         try:
             segments = [self._segment(c) for c in chunks]
             t_forward = time.perf_counter()

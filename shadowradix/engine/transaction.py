@@ -32,12 +32,14 @@ class Snapshot:
     generator: torch.Tensor | None  # the generator's state (sampling requests)
 
     @classmethod
-    def take(cls, req: Request) -> Snapshot:
+    def take(cls, req: Request, samples: bool) -> Snapshot:
+        """`samples`: the step draws a token for it (only then is the generator's state
+        worth keeping: a prefill chunk short of the end draws nothing)."""
         states = {} if req.kv is None else {
             key: CompressorState(s.buffer_kv, s.buffer_gate, s.overlap_kv, s.overlap_gate)
             for key, s in req.kv.states.items()}
         topk = None if req.topk is None else {layer: len(log) for layer, log in req.topk.items()}
-        gen = req.generator.get_state() if req.generator is not None else None
+        gen = req.generator.get_state() if samples and req.generator is not None else None
         return cls(states, topk, len(req.ids), len(req.logits), gen)
 
     def restore_model(self, req: Request) -> None:
@@ -47,9 +49,7 @@ class Snapshot:
             req.kv.states = dict(self.states)
             if isinstance(req.kv.c4, HotSet):
                 req.kv.c4.reset()
-        if req.topk is not None and self.topk is not None:
-            for layer in list(req.topk):
-                del req.topk[layer][self.topk.get(layer, 0):]
+        self._restore_topk(req)
 
     def restore_outputs(self, req: Request) -> None:
         """Undo what booking a step did to the request's outputs: the token, its logits
@@ -58,6 +58,9 @@ class Snapshot:
         del req.logits[self.logits:]
         if req.generator is not None and self.generator is not None:
             req.generator.set_state(self.generator)
+        self._restore_topk(req)
+
+    def _restore_topk(self, req: Request) -> None:
         if req.topk is not None and self.topk is not None:
             for layer in list(req.topk):
                 del req.topk[layer][self.topk.get(layer, 0):]

@@ -24,7 +24,6 @@ from typing import Any
 
 from shadowradix.engine import SamplingParams
 from shadowradix.engine.cache_control import TIERS
-from shadowradix.engine.config import MIN_TEMPERATURE
 from shadowradix.engine.request import StepOutput
 from shadowradix.server.engine_loop import Delivery, EngineLoop, NeverQueued, Overloaded, Submission
 from shadowradix.server.metrics import ServerMetrics
@@ -83,18 +82,17 @@ def options(body: Decoding, max_tokens: int | None, seed: int | None,
 
 
 def sampling_params(opts: Options, limit: int, seed: int) -> SamplingParams:
-    """The engine's parameters for one choice. A temperature below MIN_TEMPERATURE is
-    greedy (the engine's own rule, so the two cannot disagree); anything the engine still
-    refuses is the client's 400, not a 500."""
+    """The engine's parameters for one choice. A temperature below the engine's
+    MIN_TEMPERATURE is greedy by the engine's own rule (`SamplingParams.sampling`), so the
+    two cannot disagree; anything the engine still refuses is the client's 400, not a 500."""
     if opts.min_tokens > limit:
         raise ApiError(f"min_tokens {opts.min_tokens} exceeds the {limit} tokens this answer "
                        f"may have (max_tokens, or the room the prompt leaves)",
                        param="min_tokens")
-    greedy = opts.temperature < MIN_TEMPERATURE
     try:
         return SamplingParams(
-            max_new_tokens=limit, greedy=greedy,
-            temperature=1.0 if greedy else opts.temperature, top_p=opts.top_p,
+            max_new_tokens=limit, greedy=opts.temperature == 0,
+            temperature=opts.temperature, top_p=opts.top_p,
             top_k=opts.top_k, min_p=opts.min_p, min_tokens=opts.min_tokens,
             stop_token_ids=tuple(opts.stop_token_ids), seed=seed, ignore_eos=opts.ignore_eos)
     except ValueError as e:

@@ -356,14 +356,16 @@ class CacheManager:
         if self.host is not None:
             self.host.after_insert(result.node)
 
-    def _share_held(self, lease: Lease) -> None:
+    def _share_held(self, lease: Lease,
+                    found: tuple[int, np.ndarray, np.ndarray] | None = None) -> None:
         """Free the window and state pages a running request keeps for its resume point
         where the tree holds the same logical page on the device, and read the tree's copy
         instead. Its lock pins the tree's copy whether it reads it or not, so keeping both
         would hold two pages for one (the tree gets its copy when this request recomputes
         a cached page, or when another hands the same prefix over) and a request alone in
-        a pool its admission counted would preempt itself."""
-        found = self._held_copies(lease)
+        a pool its admission counted would preempt itself. `found`: `_held_copies(lease)`,
+        when the caller has it already."""
+        found = found or self._held_copies(lease)
         if found is None:
             return
         lo, dups, tree = found
@@ -414,7 +416,7 @@ class CacheManager:
             return False
         for lease, hit in found.items():
             if hit is not None:
-                self._share_held(lease)
+                self._share_held(lease, hit)
         return cache.can_alloc(need)
 
     # ------------------------------------------------------------- finish
