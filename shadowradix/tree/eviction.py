@@ -191,6 +191,7 @@ class Eviction:
         and stops every reader of the device pages in it."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
         hit, stack = [], list(self.root.children.values())
+        all_rows = list(self.rule.all_rows)
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -200,7 +201,6 @@ class Eviction:
                 for row, pages in enumerate(rows):
                     if pages.size:
                         mask[row] = np.isin(slot[row], pages) & (slot[row] >= 0)
-                all_rows = list(self.rule.all_rows)
                 if all_rows and mask[all_rows].any():
                     mask[all_rows] = slot[all_rows] >= 0
                 if mask.any():
