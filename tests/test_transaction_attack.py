@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 
+import pytest
 from test_engine import rand_tokens
 from test_step_transaction import Injected, Interrupt, fault
 from tiny_model import reference_logits, tiny_model
@@ -201,7 +202,8 @@ def test_one_failed_host_copy_wedges_the_engine_forever():
 
 
 # ----------------------------------------------------------------- storage
-def test_failed_storage_prefetch_future_is_reused_forever():
+@pytest.mark.parametrize("kind", [Injected, Interrupt])
+def test_failed_storage_prefetch_future_is_reused_forever(kind):
     """Scheduler._prefetched keeps the request's storage-read Future; when that read raised
     once (StorageTier.fetch on the storage thread), `req.prefetch.result()` re-raises it at
     every admission: the request at the head of the queue never gets admitted and blocks
@@ -216,14 +218,14 @@ def test_failed_storage_prefetch_future_is_reused_forever():
         eng.cache.flush(tiers=("device",))
         prompt = a + rand_tokens(20, 8)
         seen: dict = {}
-        with fault(StorageTier, "fetch", 1, Injected) as calls:
+        with fault(StorageTier, "fetch", 1, kind) as calls:  # on the storage thread
             rid = eng.add_request(prompt, P, return_logits=True)
-            with contextlib.suppress(Injected):
+            with contextlib.suppress(Injected, Interrupt):
                 drain_once(eng, seen)
         assert calls[0] == 1  # disarmed from here on
         try:
             drain(eng, seen, limit=20)
-        except Injected as e:
+        except (Injected, Interrupt) as e:
             raise AssertionError(f"the read that failed once re-raises forever: {e!r}") from e
         exact(prompt, seen[rid], P.max_new_tokens)
         no_leaks(eng)

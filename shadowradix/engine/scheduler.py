@@ -134,12 +134,14 @@ class Scheduler:
                 req.prefetch = _USED
         if not req.prefetch.done() and self.running:
             return _PENDING
-        try:
-            fetched = req.prefetch.result()
-        except Exception:  # a read that failed is a miss, once (the next admission reads anew)
+        # Waits if need be (an interrupt of this wait is this thread's own, and propagates);
+        # whatever the read itself raised on the storage thread, BaseException included, is
+        # a miss, once: the next admission reads anew, nothing re-raises it every step.
+        if req.prefetch.exception() is not None:
             req.prefetch = _USED
             self.manager.storage.faults["read_failed"] += 1
             return None
+        fetched = req.prefetch.result()
         return fetched if fetched.pages else None
 
     # --------------------------------------------------------------- plan
