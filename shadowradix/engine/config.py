@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
 from shadowradix.tiers.host_tier import WRITE_POLICIES
+from shadowradix.tiers.storage.codec import check_secret
 from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
 from shadowradix.tree.policy import named_policy
 
@@ -41,6 +42,13 @@ class CacheConfig:
         a request that misses the device loads what it can from there.
     storage_cap_bytes: for file://, the directory's size cap (least recently used
         objects go first); None: no cap. Redis caps itself (maxmemory).
+    storage_secret: a secret shared by every engine using the store (bytes or str, at
+        least 16 bytes): each object then carries a keyed digest (BLAKE2b) over its
+        header and payload, bound to its key and namespace, and an object that fails it
+        is a counted miss ("forged"), so only holders of the secret can change what an
+        engine reads. None: objects are only checksummed, which detects corruption but
+        authenticates nothing: the store must then be trusted like the model's weights.
+        Never shown in a repr.
     hisparse_buffer: HiSparse (DESIGN.md §6): C4 entries per request per CSA layer kept
         on the device; None turns it off. At least the model's index_topk + 1 (the engine
         checks, naming the minimum). The C4 pool then lives in host memory (pinned on
@@ -77,6 +85,7 @@ class CacheConfig:
     write_hit_threshold: int = 2
     storage: str | None = None
     storage_cap_bytes: int | None = None
+    storage_secret: bytes | str | None = field(default=None, repr=False)
     hisparse_buffer: int | None = None
     hisparse_requests: int | None = None
     window_tokens: int | None = None
@@ -119,6 +128,11 @@ class CacheConfig:
                 or self.storage is None or not self.storage.startswith("file://")):
             raise ValueError(f"storage_cap_bytes must be an int >= 1 with file:// storage, "
                              f"got {self.storage_cap_bytes!r} for {self.storage!r}")
+        if self.storage_secret is not None:
+            if self.storage is None:
+                raise ValueError("storage_secret needs a storage URL (it authenticates the "
+                                 "objects of L3)")
+            check_secret(self.storage_secret)  # the type and length, naming the minimum
         if self.hisparse_buffer is not None and (
                 not _is_int(self.hisparse_buffer) or self.hisparse_buffer < 2):
             raise ValueError(f"hisparse_buffer must be None (off) or an int >= index_topk + 1, "

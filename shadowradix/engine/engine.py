@@ -85,8 +85,9 @@ class Engine:
         self.hot = self._hot_buffers(config)
         self.storage = None
         if config.storage is not None:
-            self.storage = StorageTier(open_storage(config.storage, config.storage_cap_bytes),
-                                       self._prefix, model_fingerprint(hf_model))
+            backend = open_storage(config.storage, config.storage_cap_bytes,
+                                   secret=config.storage_secret)
+            self.storage = StorageTier(backend, self._prefix, model_fingerprint(hf_model))
         self.host = None
         if host_pages is not None:
             self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -59,7 +60,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="L2 capacity; 0: no host tier")
     ap.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
                     help="what the host tier copies (with --host-tokens)")
-    ap.add_argument("--storage", default=None, help="L3: file:///DIR or redis://HOST:PORT/DB")
+    ap.add_argument("--storage", default=None, help="L3: file:///DIR, redis://HOST:PORT/DB "
+                    "or redis-cluster://HOST:PORT[,HOST:PORT...]")
+    ap.add_argument("--storage-secret-file", default=None, metavar="PATH",
+                    help="a file holding the store's shared secret (>= 16 bytes): objects "
+                    "are then authenticated, and forged ones are misses (default: the "
+                    f"{SECRET_ENV} environment variable, else none: trust the store)")
     ap.add_argument("--hisparse-buffer", type=positive_int, default=None, metavar="N",
                     help="HiSparse: N C4 entries per request and CSA layer stay on the device "
                     "(>= index_topk + 1); the C4 history lives in host memory")
@@ -87,6 +93,39 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--allow-special-tokens-in-content", action="store_true",
                     help="special-token text inside chat messages is encoded as those special "
                     "tokens (by default it is plain text, so a client cannot forge a turn)")
+
+
+SECRET_ENV = "SHADOWRADIX_STORAGE_SECRET"
+
+
+def storage_secret(args: argparse.Namespace) -> bytes | None:
+    """The storage secret: the file --storage-secret-file names, else
+    $SHADOWRADIX_STORAGE_SECRET (ignored without --storage), else None. Never taken from
+    the command line itself (other users can read it). ValueError naming the source for
+    a file that cannot be read, a secret too short, or the file flag without --storage."""
+    from shadowradix.tiers.storage.codec import check_secret
+
+    path = getattr(args, "storage_secret_file", None)
+    if path is not None:
+        source = f"--storage-secret-file {path!r}"
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(4097)
+        except OSError as e:
+            raise ValueError(f"{source}: cannot read it ({e.strerror})") from None
+        if len(raw) > 4096:
+            raise ValueError(f"{source}: longer than 4096 bytes; is it the right file?")
+        value: bytes | str = raw.strip()
+        if args.storage is None:
+            raise ValueError(f"{source}: a storage secret needs --storage")
+    elif os.environ.get(SECRET_ENV) and args.storage is not None:
+        source, value = f"${SECRET_ENV}", os.environ[SECRET_ENV]
+    else:
+        return None
+    try:
+        return check_secret(value)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def _api_key(key: str) -> str:
@@ -150,6 +189,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
                          host_tokens=args.host_tokens,
                          write_policy=args.write_policy, storage=args.storage,
                          prefix_reuse=not args.disable_prefix_cache, policy=args.policy,
+                         storage_secret=storage_secret(args),
                          hisparse_buffer=args.hisparse_buffer,
                          hisparse_requests=args.hisparse_requests)
     name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)

@@ -87,7 +87,10 @@ class StorageTier:
         q = self.rule.deepest_after(table, stop - done)
         if q <= done:
             return empty
-        blobs = self.backend.batch_get(self._keys(hashes, done, q))
+        n = len(self.names)
+        blobs = self.backend.batch_get(self._keys(hashes, done, q),
+                                       [self.page_bytes[self.names[k % n]]
+                                        for k in range((q - done) * n)])
         intact: list[bytes] = []
         for i, blob in enumerate(blobs):
             if blob is None:

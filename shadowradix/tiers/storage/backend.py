@@ -13,23 +13,47 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 
+from shadowradix.tiers.storage.codec import Codec, CorruptObject
+
 
 class StorageUnavailable(RuntimeError):
     """The store did not answer an explicit request (`clear`); objects may remain."""
 
 
 class StorageBackend(ABC):
-    def __init__(self) -> None:
+    """`secret`: the store's shared secret (bytes or str, at least 16 bytes), or None.
+    With one, every object carries a keyed digest and one that fails it is a counted
+    miss ("forged"); without one, objects are only checksummed (see codec.py)."""
+
+    def __init__(self, secret: bytes | str | None = None) -> None:
         self.errors: Counter[str] = Counter()  # fault kind -> count
+        self.codec = Codec(secret)
+
+    def verified(self, key: str, blob: bytes, size: int | None = None) -> bytes | None:
+        """`blob`'s payload if it is an intact (and, with a secret, authentic) object of
+        `key` with a `size`-byte payload; else None, counted by what is wrong."""
+        if size is not None and len(blob) != self.codec.stored_size(key, size):
+            self.errors["oversized" if len(blob) > self.codec.stored_size(key, size)
+                        else "corrupt"] += 1
+            return None
+        try:
+            return self.codec.decode(key, blob)
+        except CorruptObject as e:
+            self.errors[self.codec.fault(e)] += 1
+            return None
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored (a cheap probe; a later get may still miss)."""
 
     @abstractmethod
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Each key's payload, verified against its checksum and its key; None for a miss
-        or a fault (a corrupt object, or an intact one of another key: both counted)."""
+    def batch_get(self, keys: Sequence[str],
+                  sizes: Sequence[int] | None = None) -> list[bytes | None]:
+        """Each key's payload, verified against its digest and its key; None for a miss
+        or a fault (a corrupt or forged object, or an intact one of another key: all
+        counted). `sizes[i]`: the payload size key i must have; a stored value longer
+        than its object is refused ("oversized") before it is parsed, and where the store
+        allows it (files, Redis GETRANGE) is never read whole into memory."""
 
     @abstractmethod
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from shadowradix.tiers.storage.account import SizeAccount, Tally
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
-from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode, encode
 from shadowradix.tiers.storage.keys import DIGEST, NAME, split_key
 
 TMP_SUFFIX = ".srtmp"
@@ -44,8 +43,9 @@ class FileBackend(StorageBackend):
     Raises ValueError if `root` is an existing regular file or `cap_bytes` < 1; any
     other trouble with the directory is counted and answered with misses."""
 
-    def __init__(self, root: str | Path, cap_bytes: int | None = None) -> None:
-        super().__init__()
+    def __init__(self, root: str | Path, cap_bytes: int | None = None,
+                 secret: bytes | str | None = None) -> None:
+        super().__init__(secret)
         if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 1):
             raise ValueError(f"cap_bytes must be an int >= 1 or None, got {cap_bytes!r}")
         self.root = Path(root)
@@ -71,25 +71,30 @@ class FileBackend(StorageBackend):
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.isfile(self._path(k)) for k in keys]
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def batch_get(self, keys: Sequence[str],
+                  sizes: Sequence[int] | None = None) -> list[bytes | None]:
         out: list[bytes | None] = []
-        for key in keys:
+        for i, key in enumerate(keys):
             path = self._path(key)
+            size = None if sizes is None else sizes[i]
+            limit = -1 if size is None else self.codec.stored_size(key, size) + 1
             try:
                 with open(path, "rb") as f:
-                    blob = f.read()
-                out.append(decode(key, blob))
-                self._lru[path] = len(blob)  # another process's object joins our view
-                self._lru.move_to_end(path)
+                    blob = f.read(limit)  # at most one byte past the object's size
             except FileNotFoundError:
                 out.append(None)
-            except CorruptObject as e:
-                self.errors["wrong_key" if isinstance(e, WrongKey) else "corrupt"] += 1
-                self._drop(path)
-                out.append(None)
+                continue
             except OSError:
                 self.errors["read"] += 1
                 out.append(None)
+                continue
+            payload = self.verified(key, blob, size)
+            if payload is None:
+                self._drop(path)
+            else:
+                self._lru[path] = len(blob)  # another process's object joins our view
+                self._lru.move_to_end(path)
+            out.append(payload)
         return out
 
     # ------------------------------------------------------------- writes
@@ -120,7 +125,7 @@ class FileBackend(StorageBackend):
             os.makedirs(parent, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=parent, prefix=digest + ".", suffix=TMP_SUFFIX)
             with os.fdopen(fd, "wb") as f:
-                f.write(encode(key, payload))
+                f.write(self.codec.encode(key, payload))
             return tmp
         except OSError:
             self.errors["write"] += 1

@@ -14,7 +14,6 @@ from typing import Any
 
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
-from shadowradix.tiers.storage.codec import encode
 from shadowradix.tiers.storage.redis_common import (
     Guard,
     client_options,
@@ -23,7 +22,6 @@ from shadowradix.tiers.storage.redis_common import (
     scan_delete,
     store_errors,
     unreachable_errors,
-    verified,
 )
 
 
@@ -32,8 +30,8 @@ class RedisBackend(StorageBackend):
     unreachable server is only logged and counted (it may come up later)."""
 
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
-                 backoff_s: float = 5.0) -> None:
-        super().__init__()
+                 backoff_s: float = 5.0, secret: bytes | str | None = None) -> None:
+        super().__init__(secret)
         import redis
 
         self._errors_types = store_errors()
@@ -74,13 +72,23 @@ class RedisBackend(StorageBackend):
             return [bool(n) for n in pipe.execute()]
         return self._guarded(call, [False] * len(keys))
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def batch_get(self, keys: Sequence[str],
+                  sizes: Sequence[int] | None = None) -> list[bytes | None]:
         if not keys:
             return []
-        blobs: list[Any] = self._guarded(lambda: self._client.mget(list(keys)),
-                                         [None] * len(keys))
-        return [None if blob is None else verified(self.errors, k, blob)
-                for k, blob in zip(keys, blobs, strict=True)]
+        if sizes is None:
+            blobs: list[Any] = self._guarded(lambda: self._client.mget(list(keys)),
+                                             [None] * len(keys))
+        else:  # GETRANGE: at most one byte past each object's size leaves the server
+            def call() -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                for k, size in zip(keys, sizes, strict=True):
+                    pipe.getrange(k, 0, self.codec.stored_size(k, size))
+                return [blob or None for blob in pipe.execute()]  # b"": no such key
+            blobs = self._guarded(call, [None] * len(keys))
+        return [None if blob is None else self.verified(k, blob, None if sizes is None
+                                                        else sizes[i])
+                for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
 
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         if not items:
@@ -89,7 +97,7 @@ class RedisBackend(StorageBackend):
         def call() -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
             for k, payload in items:
-                pipe.set(k, encode(k, payload), ex=self.ttl_s)
+                pipe.set(k, self.codec.encode(k, payload), ex=self.ttl_s)
             return [bool(ok) for ok in pipe.execute()]
         return self._guarded(call, [False] * len(items))
 

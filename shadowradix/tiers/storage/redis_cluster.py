@@ -41,7 +41,6 @@ from urllib.parse import unquote
 
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
-from shadowradix.tiers.storage.codec import encode
 from shadowradix.tiers.storage.redis_common import (
     Guard,
     client_options,
@@ -50,7 +49,6 @@ from shadowradix.tiers.storage.redis_common import (
     refused_credentials,
     scan_delete,
     store_errors,
-    verified,
 )
 
 SCHEME = "redis-cluster://"
@@ -106,8 +104,9 @@ class RedisClusterBackend(StorageBackend):
     logged and counted (it may come up later)."""
 
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
-                 backoff_s: float = 5.0, refresh_s: float = 1.0) -> None:
-        super().__init__()
+                 backoff_s: float = 5.0, refresh_s: float = 1.0,
+                 secret: bytes | str | None = None) -> None:
+        super().__init__(secret)
         seeds, username, password = parse_cluster_url(url)
         self.url = redact(url)
         self.ttl_s = ttl_s
@@ -272,20 +271,29 @@ class RedisClusterBackend(StorageBackend):
             self._run(keys, queue, parse)
         return out
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def batch_get(self, keys: Sequence[str],
+                  sizes: Sequence[int] | None = None) -> list[bytes | None]:
         blobs: list[Any] = [None] * len(keys)
 
         def queue(pipe: Any, indices: list[int]) -> list[list[int]]:
-            pipe.mget([cluster_key(keys[i]) for i in indices])  # one slot: never CROSSSLOT
-            return [indices]
+            if sizes is None:
+                pipe.mget([cluster_key(keys[i]) for i in indices])  # one slot: no CROSSSLOT
+                return [indices]
+            for i in indices:  # at most one byte past each object's size leaves the server
+                pipe.getrange(cluster_key(keys[i]), 0, self.codec.stored_size(keys[i],
+                                                                            sizes[i]))
+            return [[i] for i in indices]
 
         def parse(indices: list[int], reply: Any) -> None:
+            if sizes is not None:
+                reply = [reply or None]  # GETRANGE of a missing key: b""
             for i, blob in zip(indices, reply, strict=True):
                 blobs[i] = blob
         if keys:
             self._run(keys, queue, parse)
-        return [None if blob is None else verified(self.errors, k, blob)
-                for k, blob in zip(keys, blobs, strict=True)]
+        return [None if blob is None else self.verified(k, blob, None if sizes is None
+                                                        else sizes[i])
+                for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
 
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """SET replaces a key atomically, so engines writing the same page at once leave
@@ -295,7 +303,7 @@ class RedisClusterBackend(StorageBackend):
         def queue(pipe: Any, indices: list[int]) -> list[list[int]]:
             for i in indices:
                 key, payload = items[i]
-                pipe.set(cluster_key(key), encode(key, payload), ex=self.ttl_s)
+                pipe.set(cluster_key(key), self.codec.encode(key, payload), ex=self.ttl_s)
             return [[i] for i in indices]
 
         def parse(indices: list[int], reply: Any) -> None:

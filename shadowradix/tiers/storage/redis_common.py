@@ -1,6 +1,6 @@
 """What the Redis-protocol backends share: the client options that bound every call, the
-breaker-guarded call that turns a fault into a counted miss, the verified read, and
-the messages for refused credentials.
+breaker-guarded call that turns a fault into a counted miss, and the messages for
+refused credentials.
 
 `redis://` guards its one server with one breaker; `redis-cluster://` guards each node
 with its own, so a dead master costs misses on its slots only.
@@ -15,7 +15,6 @@ from typing import Any, TypeVar, overload
 from urllib.parse import urlsplit, urlunsplit
 
 from shadowradix.tiers.storage.breaker import CircuitBreaker
-from shadowradix.tiers.storage.codec import CorruptObject, WrongKey, decode
 
 log = logging.getLogger("shadowradix.storage")
 T = TypeVar("T")
@@ -79,18 +78,6 @@ class Guard:
             return miss
         self.breaker.succeeded()
         return out
-
-
-def verified(errors: Counter[str], key: str, blob: bytes) -> bytes | None:
-    """`blob`'s payload if it is an intact object of `key`; else None, counted as
-    "wrong_key" (an intact object of another key) or "corrupt"."""
-    try:
-        return decode(key, blob)
-    except WrongKey:
-        errors["wrong_key"] += 1
-    except CorruptObject:
-        errors["corrupt"] += 1
-    return None
 
 
 def refused_credentials(e: BaseException) -> bool:
