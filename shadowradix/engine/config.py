@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any
 
 from shadowradix.tiers.host_tier import WRITE_POLICIES
 from shadowradix.tiers.storage.codec import check_secret
 from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
+from shadowradix.tiers.storage.urls import redact
 from shadowradix.tree.policy import named_policy
 
 MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in SGLang and vLLM)
@@ -21,11 +22,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _shown(storage: Any) -> Any:
+    """A storage value fit for a message: a URL without its credentials."""
+    return redact(storage) if isinstance(storage, str) else storage
+
+
 def _is_real(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class CacheConfig:
     """How much cache the engine keeps, and where.
 
@@ -119,7 +125,7 @@ class CacheConfig:
                     if hasattr(self.storage, "__fspath__") else "")  # a pathlib.Path
             raise ValueError(f"storage must be None or a URL string, 'file:///DIR', "
                              f"'redis://HOST:PORT/DB' or 'redis-cluster://HOST:PORT,HOST:PORT'"
-                             f", got {self.storage!r}{hint}")
+                             f", got {_shown(self.storage)!r}{hint}")
         if isinstance(self.storage, str) and self.storage.startswith("redis-cluster://"):
             parse_cluster_url(self.storage)  # a malformed seed list fails here, not at open
         if self.storage_cap_bytes is not None and (
@@ -127,7 +133,7 @@ class CacheConfig:
                 or isinstance(self.storage_cap_bytes, bool) or self.storage_cap_bytes < 1
                 or self.storage is None or not self.storage.startswith("file://")):
             raise ValueError(f"storage_cap_bytes must be an int >= 1 with file:// storage, "
-                             f"got {self.storage_cap_bytes!r} for {self.storage!r}")
+                             f"got {self.storage_cap_bytes!r} for {_shown(self.storage)!r}")
         if self.storage_secret is not None:
             if self.storage is None:
                 raise ValueError("storage_secret needs a storage URL (it authenticates the "
@@ -155,6 +161,11 @@ class CacheConfig:
         for name in ("prefix_reuse", "debug_poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def __repr__(self) -> str:
+        """The fields, with the storage URL's credentials hidden and the secret left out."""
+        shown = (f"{f.name}={_shown(getattr(self, f.name))!r}" for f in fields(self) if f.repr)
+        return f"CacheConfig({', '.join(shown)})"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from shadowradix import __version__
 from shadowradix.server.runtime import Runtime
-from shadowradix.tiers.storage.redis_common import redact
+from shadowradix.tiers.storage.urls import redact
 
 
 async def model_info(request: Request) -> JSONResponse:

@@ -32,15 +32,19 @@ class StorageBackend(ABC):
     def verified(self, key: str, blob: bytes, size: int | None = None) -> bytes | None:
         """`blob`'s payload if it is an intact (and, with a secret, authentic) object of
         `key` with a `size`-byte payload; else None, counted by what is wrong."""
-        if size is not None and len(blob) != self.codec.stored_size(key, size):
-            self.errors["oversized" if len(blob) > self.codec.stored_size(key, size)
-                        else "corrupt"] += 1
+        if (size is not None and len(blob) > self.codec.stored_size(key, size)
+                and blob[:4] == self.codec.magic):  # (another kind fails on its magic)
+            self.errors["oversized"] += 1  # refused unparsed (and, mostly, unread)
             return None
         try:
-            return self.codec.decode(key, blob)
+            payload = self.codec.decode(key, blob)
         except CorruptObject as e:
             self.errors[self.codec.fault(e)] += 1
             return None
+        if size is not None and len(payload) != size:
+            self.errors["wrong_size"] += 1  # intact, but not a page of this layout
+            return None
+        return payload
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:

@@ -38,7 +38,12 @@ class RedisBackend(StorageBackend):
         self.ttl_s = ttl_s
         self.breaker = CircuitBreaker(backoff_s)
         self._guarded = Guard(self.errors, self.breaker)
-        self._client: Any = redis.Redis.from_url(url, **client_options(timeout_s))
+        try:
+            self._client: Any = redis.Redis.from_url(url, **client_options(timeout_s))
+        except ValueError:  # its message may quote a part of the password
+            raise ValueError(f"{redact(url)}: redis-py cannot read this URL; percent-encode "
+                             f"'/', '?', '#', '@' and ':' in a user or password "
+                             f"(redis://:PASSWORD@HOST:PORT/DB)") from None
         self._ping(url, redis)
 
     def _ping(self, url: str, redis: Any) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, overload
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, TypeVar
 
 from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.urls import redact
 
+__all__ = ["Guard", "client_options", "redact", "refused_credentials", "scan_delete",
+           "store_errors", "unreachable_errors"]
 log = logging.getLogger("shadowradix.storage")
 T = TypeVar("T")
 
@@ -91,25 +93,6 @@ def refused_credentials(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__  # type: ignore[assignment]
     return False
-
-
-@overload
-def redact(url: str) -> str: ...
-
-
-@overload
-def redact(url: None) -> None: ...
-
-
-def redact(url: str | None) -> str | None:
-    """The URL without a user or password (redis://:SECRET@host), for messages, logs and
-    /server_info; an "@" in a path (file:///data/kv@1) is left alone."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 def scan_delete(client: Any, namespace: str, delete: Callable[[list[Any]], int],
