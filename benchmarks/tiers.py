@@ -5,9 +5,10 @@
 1. L2 -> L1 load-back: the Mover (worker thread, page runs sliced per layer) copying
    host pages into device pages, as a ratio to one raw torch copy of the same bytes
    between contiguous buffers. Consecutive pages and scattered pages.
-2. L3 get/set throughput of RedisBackend (checksummed objects, pipelined) as a ratio to
-   raw pipelined `redis` calls with the same values, and of FileBackend against raw
-   file writes and reads of the same bytes. A real Valkey/Redis server on 127.0.0.1.
+2. L3 get/set throughput of RedisBackend (checksummed objects, pipelined; reads with the
+   expected sizes, as the engine reads) as a ratio to raw pipelined `redis` calls with the
+   same values, and of FileBackend against raw file writes and reads of the same bytes;
+   each also with a storage secret (keyed objects). A real Valkey/Redis server on 127.0.0.1.
 3. The multi-turn workload with a small device tier: L1 only, L1+L2, L1+L2+L3
    (file://): prefill tokens computed, wall time, hits per tier.
 """
@@ -31,6 +32,8 @@ from shadowradix.tiers.storage import FileBackend, RedisBackend, object_key
 HOST_TOKENS = 2048  # twice the device tier, and too small for the whole workload
 PAGE_BYTES = 64 * 1024  # one pool-page object (a small page of a small model)
 N = 400
+SIZES = [PAGE_BYTES] * N  # what the engine passes: each object's expected payload size
+SECRET = b"a benchmark's storage secret"  # keyed objects: BLAKE2b over header and payload
 
 
 def items() -> list[tuple[str, bytes]]:
@@ -60,12 +63,17 @@ def redis_ratio(workdir: Path) -> dict:
             pipe.execute()
 
         ours = RedisBackend(server.url, timeout_s=10)
+        keyed = RedisBackend(server.url, timeout_s=10, secret=SECRET)
         t_raw_set = min(timed(raw_set) for _ in range(3))
         t_raw_get = min(timed(lambda: raw.mget(keys)) for _ in range(3))
         t_set = min(timed(lambda: ours.batch_set(data)) for _ in range(3))
-        t_get = min(timed(lambda: ours.batch_get(keys)) for _ in range(3))
-        assert ours.batch_get(keys[:1]) == [data[0][1]]
+        t_get = min(timed(lambda: ours.batch_get(keys, SIZES)) for _ in range(3))
+        assert ours.batch_get(keys[:1], SIZES[:1]) == [data[0][1]]
+        t_kset = min(timed(lambda: keyed.batch_set(data)) for _ in range(3))
+        t_kget = min(timed(lambda: keyed.batch_get(keys, SIZES)) for _ in range(3))
+        assert keyed.batch_get(keys[:1], SIZES[:1]) == [data[0][1]]
         return {"set_ratio": t_raw_set / t_set, "get_ratio": t_raw_get / t_get,
+                "keyed_set_ratio": t_raw_set / t_kset, "keyed_get_ratio": t_raw_get / t_kget,
                 "set_MBps": N * PAGE_BYTES / t_set / 1e6, "get_MBps": N * PAGE_BYTES / t_get / 1e6}
     finally:
         server.stop()
@@ -86,9 +94,14 @@ def file_ratio(workdir: Path) -> dict:
             (raw_dir / str(i)).read_bytes()
 
     ours = FileBackend(workdir / "ours")
+    keyed = FileBackend(workdir / "keyed", secret=SECRET)
     t_raw_set, t_raw_get = timed(raw_set), timed(raw_get)
-    t_set, t_get = timed(lambda: ours.batch_set(data)), timed(lambda: ours.batch_get(keys))
-    return {"set_ratio": t_raw_set / t_set, "get_ratio": t_raw_get / t_get}
+    t_set, t_get = timed(lambda: ours.batch_set(data)), timed(lambda: ours.batch_get(keys, SIZES))
+    t_kset = timed(lambda: keyed.batch_set(data))
+    t_kget = timed(lambda: keyed.batch_get(keys, SIZES))
+    assert keyed.batch_get(keys[:1], SIZES[:1]) == [data[0][1]]
+    return {"set_ratio": t_raw_set / t_set, "get_ratio": t_raw_get / t_get,
+            "keyed_set_ratio": t_raw_set / t_kset, "keyed_get_ratio": t_raw_get / t_kget}
 
 
 def loadback_ratio(device: str = "cpu") -> dict:
@@ -187,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['raw_GBps']:.1f} GB/s)")
     print(f"L3 redis ({N} x {PAGE_BYTES // 1024} KiB): set {r['set_ratio']:.2f}x, "
           f"get {r['get_ratio']:.2f}x the raw pipelined client "
-          f"({r['set_MBps']:.0f} / {r['get_MBps']:.0f} MB/s)")
-    print(f"L3 file: set {f['set_ratio']:.2f}x, get {f['get_ratio']:.2f}x raw file I/O")
+          f"({r['set_MBps']:.0f} / {r['get_MBps']:.0f} MB/s); with a secret: set "
+          f"{r['keyed_set_ratio']:.2f}x, get {r['keyed_get_ratio']:.2f}x")
+    print(f"L3 file: set {f['set_ratio']:.2f}x, get {f['get_ratio']:.2f}x raw file I/O; with a "
+          f"secret: set {f['keyed_set_ratio']:.2f}x, get {f['keyed_get_ratio']:.2f}x")
     for setup, row in mt.items():
         print(f"multi-turn, 1K-token device, 2K-token host, {setup:8}: prefill "
               f"{row['prefill_tokens']:,} tokens, {row['wall_s']:.1f} s, hits {row['hits']}")
