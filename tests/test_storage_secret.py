@@ -205,3 +205,28 @@ def test_serve_refuses_a_bad_secret_file_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--storage-secret-file" in err and "Traceback" not in err
     assert not Path(tmp_path / "l3").exists() or not os.listdir(tmp_path / "l3")
+
+
+def test_a_server_with_a_secret_file_says_so_and_never_shows_it(tmp_path, monkeypatch):
+    import httpx
+    from server_util import ServerThread
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET)
+    server = ServerThread.from_args("--model", "tiny", "--storage", f"file://{tmp_path / 'l3'}",
+                                    "--storage-secret-file", str(path))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi " * 40,
+                                                   "max_tokens": 2})
+            assert r.status_code == 200
+            info, metrics = http.get("/server_info"), http.get("/metrics").text
+        assert info.json()["storage_authenticated"] is True
+        assert SECRET.decode() not in info.text + metrics
+        server.on_engine(lambda eng: eng.storage.drain())
+        objects = [p for p in (tmp_path / "l3").rglob("*") if p.is_file()
+                   and not p.name.startswith(".")]
+        assert objects and all(p.read_bytes()[:4] == KEYED_MAGIC for p in objects)
+    finally:
+        server.stop()

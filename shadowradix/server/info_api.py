@@ -76,6 +76,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
             "window_tokens": c.window_tokens, "state_tokens": c.state_tokens,
             "host_tokens": c.host_tokens,
             "hicache_write_policy": c.write_policy, "storage": redact(c.storage),
+            "storage_authenticated": c.storage_secret is not None,
             "disable_radix_cache": not c.prefix_reuse, "cache_policy": c.policy,
             "hisparse_buffer": c.hisparse_buffer,
             "hisparse_requests": engine.hot.requests if engine.hot is not None else None,
