@@ -5,6 +5,13 @@ its own files, which are the objects `NS/POOL/XX/<32 hex digits>` (XX: the diges
 first two digits), their temporary files `<digest>.<random>.srtmp` beside them, and
 the shared size account `.shadowradix-bytes` (see account.py).
 
+Nothing below the root is reached through a symlink: each folder is opened from its
+parent's descriptor with O_NOFOLLOW, and each object too, so a symlink planted where a
+namespace, pool, fan folder or object belongs is a counted "symlink" fault (a read
+misses, a write fails, a listing or delete passes it by) and nothing lands, is read
+or is deleted outside the directory. The root itself may be a symlink (the operator's
+choice). Folders the store creates are 0700 and objects 0600, whatever the umask.
+
 Writes go to a temporary file and are renamed into place, so a reader never sees half
 an object; a crash leaves a temporary file, swept on a later open once it is older
 than STALE_TMP_S (a younger one may be another process's write in flight).
@@ -12,21 +19,26 @@ than STALE_TMP_S (a younger one may be another process's write in flight).
 The cap holds across processes sharing the directory: every change is counted in the
 shared account under its lock, and a write that takes the store past the cap deletes
 objects, least recently used first in this process's view (seeded from file mtimes on
-open, then its own reads and writes), until it fits.
+open, then its own reads and writes), until it fits. An account that is stale (deleted,
+rewritten, or left unwritten by a full disk) is recounted from the disk by its next
+holder. A write's result is what a read finds: an object renamed into place is True
+even if its count could not be written (the account is then left stale).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
-import tempfile
+import stat
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
-from shadowradix.tiers.storage.account import SizeAccount, Tally
+from shadowradix.tiers.storage.account import Refused, SizeAccount, Tally
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.keys import DIGEST, NAME, split_key
 
@@ -34,6 +46,15 @@ TMP_SUFFIX = ".srtmp"
 STALE_TMP_S = 600.0
 _FAN = re.compile(r"[0-9a-f]{2}")
 _TMP = re.compile(r"[0-9a-f]{32}\.[A-Za-z0-9_]+" + re.escape(TMP_SUFFIX))
+_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the root may be a symlink
+_DIR = _ROOT | os.O_NOFOLLOW
+_OBJECT = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO: no wait
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+T = TypeVar("T")
+
+
+class Symlink(OSError):
+    """A symlink below the root where the store keeps one of its folders or objects."""
 
 
 class FileBackend(StorageBackend):
@@ -41,7 +62,9 @@ class FileBackend(StorageBackend):
     reading a 64 KiB object from the page cache.
 
     Raises ValueError if `root` is an existing regular file or `cap_bytes` < 1; any
-    other trouble with the directory is counted and answered with misses."""
+    other trouble with the directory is counted and answered with misses. A size
+    account that is a symlink or not a regular file makes the store unusable until it
+    is opened again: reads miss, writes fail, `clear` raises StorageUnavailable."""
 
     def __init__(self, root: str | Path, cap_bytes: int | None = None,
                  secret: bytes | str | None = None) -> None:
@@ -54,98 +77,131 @@ class FileBackend(StorageBackend):
                              f"directory; name a directory (it is created if missing)")
         self._root = str(self.root)
         self.cap_bytes = cap_bytes
-        self._account = SizeAccount(self._root)
-        self._lru: OrderedDict[str, int] = OrderedDict()  # path -> size, oldest first
+        self._account = SizeAccount(self._root, self.errors)
+        self._lru = _Recency()  # this process's view of the objects, oldest first
+        self._refused = False
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            with self._account.locked() as tally:
-                self._rescan(tally, sweep=True)
+            with (_Dirs(self._root, create=True) as dirs,
+                  self._locked(dirs, recount=False) as tally):
+                self._rescan(dirs, tally, sweep=True)
         except OSError:
-            self.errors["open"] += 1  # unusable now; every call below answers with misses
+            self.errors["open"] += 1  # calls below answer with misses while it stays so
 
     def _path(self, key: str) -> str:
-        ns, pool, digest = split_key(key)
-        return os.path.join(self._root, ns, pool, digest[:2], digest)
+        return os.path.join(self._root, _rel(key))
 
     # -------------------------------------------------------------- reads
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return [os.path.isfile(self._path(k)) for k in keys]
+        with self._dirs() as dirs:
+            if dirs is None:
+                return [False] * len(keys)
+            return [self._is_object(dirs, _rel(k)) for k in keys]
 
     def batch_get(self, keys: Sequence[str],
                   sizes: Sequence[int] | None = None) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for i, key in enumerate(keys):
-            path = self._path(key)
-            size = None if sizes is None else sizes[i]
-            limit = -1 if size is None else self.codec.stored_size(key, size) + 1
+        with self._dirs() as dirs:
+            if dirs is None:
+                return [None] * len(keys)
+            out: list[bytes | None] = []
+            for i, key in enumerate(keys):
+                size = None if sizes is None else sizes[i]
+                limit = -1 if size is None else self.codec.stored_size(key, size) + 1
+                rel = _rel(key)
+                blob = self._read(dirs, rel, limit)
+                payload = None if blob is None else self.verified(key, blob, size)
+                if blob is not None and payload is None:
+                    self._drop(dirs, rel)
+                elif blob is not None:
+                    self._lru.touch(rel, len(blob))  # another process's object joins our view
+                out.append(payload)
+            return out
+
+    def _is_object(self, dirs: _Dirs, rel: str) -> bool:
+        try:
+            mode = dirs.at(rel, _mode_at)
+        except OSError as e:
+            self._count(e, None)
+            return False
+        if stat.S_ISLNK(mode):
+            self.errors["symlink"] += 1
+        return stat.S_ISREG(mode)
+
+    def _read(self, dirs: _Dirs, rel: str, limit: int) -> bytes | None:
+        """The object's bytes, at most `limit` (all if < 0); None if missing or unreadable."""
+        try:
+            fd = dirs.at(rel, _open_object)
             try:
-                with open(path, "rb") as f:
-                    blob = f.read(limit)  # at most one byte past the object's size
-            except FileNotFoundError:
-                out.append(None)
-                continue
-            except OSError:
-                self.errors["read"] += 1
-                out.append(None)
-                continue
-            payload = self.verified(key, blob, size)
-            if payload is None:
-                self._drop(path)
-            else:
-                self._lru[path] = len(blob)  # another process's object joins our view
-                self._lru.move_to_end(path)
-            out.append(payload)
-        return out
+                return _read_upto(fd, limit)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._count(e, "read")
+            return None
 
     # ------------------------------------------------------------- writes
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        staged = [self._stage(key, payload) for key, payload in items]
-        done = [False] * len(items)
+        with self._dirs(create=True) as dirs:
+            if dirs is None:
+                self.errors["write"] += len(items)
+                return [False] * len(items)
+            staged = [self._stage(dirs, key, payload) for key, payload in items]
+            return self._commit_all(dirs, staged)
+
+    def _stage(self, dirs: _Dirs, key: str, payload: bytes) -> tuple[str, str, int] | None:
+        """(object, temporary file, size): the object written beside its place; None if
+        that failed."""
+        rel = _rel(key)
+        blob = self.codec.encode(key, payload)
+        tmp = f"{rel[-32:]}.{os.urandom(6).hex()}{TMP_SUFFIX}"  # <digest>.<random>.srtmp
         try:
-            with self._account.locked() as tally:
-                for i, (tmp, (key, _)) in enumerate(zip(staged, items, strict=True)):
-                    if tmp is not None:
-                        done[i] = self._commit(tmp, self._path(key), tally)
+            dirs.at(rel, lambda fan, _: _write_new(fan, tmp, blob), create=True)
+        except OSError as e:
+            self._count(e, "write")
+            return None
+        return rel, tmp, len(blob)
+
+    def _commit_all(self, dirs: _Dirs, staged: list[tuple[str, str, int] | None]) -> list[bool]:
+        """Rename the staged objects into place, counted, then keep the cap (account
+        locked). True exactly where an object was renamed into place."""
+        done = [False] * len(staged)
+        try:
+            with self._locked(dirs) as tally:
+                for i, item in enumerate(staged):
+                    if item is not None:
+                        staged[i] = None
+                        done[i] = self._commit(dirs, *item, tally)
                 if self.cap_bytes is not None and tally.total > self.cap_bytes:
-                    self._shrink(tally, self.cap_bytes)
-        except OSError:  # the account (so the directory) is unusable
-            self.errors["write"] += sum(tmp is not None for tmp in staged)
-            for tmp in staged:
-                if tmp is not None:
-                    _unlink_quietly(tmp)
-            return [False] * len(items)
+                    self._shrink(dirs, tally, self.cap_bytes)
+        except OSError:  # the account is unusable: what is not renamed is not committed
+            for item in staged:
+                if item is not None:
+                    self._discard(dirs, *item)
         return done
 
-    def _stage(self, key: str, payload: bytes) -> str | None:
-        """The object written to a temporary file beside its place; None if that failed."""
-        path = self._path(key)
-        parent, digest = os.path.split(path)
-        tmp = None
-        try:
-            os.makedirs(parent, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=parent, prefix=digest + ".", suffix=TMP_SUFFIX)
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.codec.encode(key, payload))
-            return tmp
-        except OSError:
-            self.errors["write"] += 1
-            if tmp is not None:
-                _unlink_quietly(tmp)
-            return None
+    def _discard(self, dirs: _Dirs, rel: str, tmp: str, _size: int) -> None:
+        """A staged object not committed: its temporary file goes, counted "write"."""
+        self.errors["write"] += 1
+        with contextlib.suppress(OSError):
+            dirs.at(rel, lambda fan, _: _unlink_quietly(fan, tmp))
 
-    def _commit(self, tmp: str, path: str, tally: Tally) -> bool:
+    def _commit(self, dirs: _Dirs, rel: str, tmp: str, size: int, tally: Tally) -> bool:
         """Rename into place (account locked), counting the bytes it adds."""
+        def rename(fan: int, name: str) -> int:
+            old = _size_at(fan, name)
+            try:
+                os.replace(tmp, name, src_dir_fd=fan, dst_dir_fd=fan)
+            except OSError:
+                _unlink_quietly(fan, tmp)
+                raise
+            return old
+
         try:
-            size = os.stat(tmp).st_size
-            old = _size_or_zero(path)
-            os.replace(tmp, path)
-        except OSError:
-            self.errors["write"] += 1
-            _unlink_quietly(tmp)
+            old = dirs.at(rel, rename)
+        except OSError as e:
+            self._count(e, "write")
             return False
         tally.total += size - old
-        self._lru.pop(path, None)
-        self._lru[path] = size
+        self._lru.touch(rel, size)
         return True
 
     # ------------------------------------------------------------ deletes
@@ -154,12 +210,12 @@ class FileBackend(StorageBackend):
             raise ValueError(f"{namespace!r} is not a storage namespace")
         gone, failed = 0, 0
         try:
-            with self._account.locked() as tally:
-                for path in self._own_files(os.path.join(self._root, namespace), temps=False):
-                    self._lru.pop(path, None)
+            with _Dirs(self._root) as dirs, self._locked(dirs) as tally:
+                for fan, folder, entry in self._entries(dirs, namespace, temps=False):
+                    self._lru.forget(folder + entry.name)
                     try:
-                        size = _size_or_zero(path)
-                        os.unlink(path)
+                        size = entry.stat(follow_symlinks=False).st_size
+                        os.unlink(entry.name, dir_fd=fan)
                         tally.total -= size
                         gone += 1
                     except FileNotFoundError:
@@ -174,102 +230,329 @@ class FileBackend(StorageBackend):
                                      f"could not be deleted; {gone} were")
         return gone
 
-    def _shrink(self, tally: Tally, cap: int) -> None:
-        """Delete least recently used objects until the store fits in `cap`; if this
-        process knows too few, rescan the directory once for the others' objects."""
+    def _shrink(self, dirs: _Dirs, tally: Tally, cap: int) -> None:
+        """Delete least recently used objects until the store fits in `cap`. If the
+        account holds more over the cap than this process knows of, rescan first (once):
+        the others' objects, or a wrong count, not a reason to delete all of ours."""
         rescanned = False
         while tally.total > cap:
-            if not self._lru:
-                if rescanned:
-                    return
-                self._rescan(tally, sweep=False)
+            if not rescanned and tally.total - cap > self._lru.bytes:
+                self._rescan(dirs, tally, sweep=False)
                 rescanned = True
                 continue
-            path, _ = self._lru.popitem(last=False)
-            tally.total -= _unlink_counted(path, self.errors)
+            rel = self._lru.oldest()
+            if rel is None:
+                return
+            tally.total -= self._unlink(dirs, rel)
 
-    def _drop(self, path: str) -> None:
+    def _drop(self, dirs: _Dirs, rel: str) -> None:
         """Delete one bad object, keeping the account right."""
-        self._lru.pop(path, None)
+        self._lru.forget(rel)
         try:
-            with self._account.locked() as tally:
-                tally.total -= _unlink_counted(path, self.errors)
+            with self._locked(dirs) as tally:
+                tally.total -= self._unlink(dirs, rel)
         except OSError:
             self.errors["cleanup"] += 1
 
+    def _unlink(self, dirs: _Dirs, rel: str) -> int:
+        """Delete one object (account locked); the bytes freed (0 if already gone)."""
+        try:
+            return dirs.at(rel, _unlink_sized)
+        except OSError as e:
+            self._count(e, "cleanup")
+            return 0
+
     # ------------------------------------------------------------ listing
-    def _rescan(self, tally: Tally, sweep: bool) -> None:
+    def _rescan(self, dirs: _Dirs, tally: Tally, sweep: bool) -> None:
         """Set the LRU (by mtime) and the account from the objects on disk; with `sweep`,
         delete temporary files older than STALE_TMP_S (left by a crashed writer)."""
         found = []
         stale = time.time() - STALE_TMP_S
-        for path in self._own_files(self._root, temps=sweep):
+        for fan, folder, entry in self._entries(dirs, None, temps=sweep):
             try:
-                st = os.stat(path)
+                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:  # a failed write's temporary file, just removed
                 continue
-            if path.endswith(TMP_SUFFIX):
+            if entry.name.endswith(TMP_SUFFIX):
                 if st.st_mtime < stale:
-                    _unlink_quietly(path)
+                    _unlink_quietly(fan, entry.name)
             else:
-                found.append((st.st_mtime_ns, path, st.st_size))
-        self._lru = OrderedDict((path, size) for _, path, size in sorted(found))
-        tally.total = sum(self._lru.values())
+                found.append((st.st_mtime_ns, folder + entry.name, st.st_size))
+        self._lru = _Recency((rel, size) for _, rel, size in sorted(found))
+        tally.total, tally.stale = self._lru.bytes, False
 
-    def _own_files(self, top: str, temps: bool) -> Iterator[str]:
-        """This store's files under `top` (the root, or one namespace directory): only
-        paths shaped NS/POOL/XX/<digest> (and, with `temps`, its temporary files)."""
-        levels = [NAME, NAME, _FAN] if top == self._root else [NAME, _FAN]
-        dirs = [top]
-        for pattern in levels:
-            dirs = [d for parent in dirs for d in _subdirs(parent, pattern)]
-        for fan in dirs:
-            prefix = os.path.basename(fan)
-            with contextlib.suppress(FileNotFoundError), os.scandir(fan) as it:
+    def _entries(self, dirs: _Dirs, namespace: str | None,
+                 temps: bool) -> Iterator[tuple[int, str, os.DirEntry[str]]]:
+        """(fan folder fd, "NS/POOL/XX/", entry) of this store's files (of `namespace`
+        only, if given): regular files named NS/POOL/XX/<digest> (and, with `temps`, its
+        temporary files), reached without following a symlink."""
+        top = NAME if namespace is None else re.compile(re.escape(namespace))
+        for folder, fan in self._walk(dirs.root, "", [top, NAME, _FAN]):
+            prefix = folder[-3:-1]
+            with os.scandir(fan) as it:
                 for entry in it:
                     name = entry.name
                     ours = (DIGEST.fullmatch(name) and name.startswith(prefix)) or (
                         temps and _TMP.fullmatch(name))
                     if ours and entry.is_file(follow_symlinks=False):
-                        yield entry.path
+                        yield fan, folder, entry
+
+    def _walk(self, parent: int, folder: str,
+              levels: list[re.Pattern[str]]) -> Iterator[tuple[str, int]]:
+        """("A/B/C/", fd) of each folder `len(levels)` below `parent` whose names fit the
+        levels' patterns; a symlink fitting one below the root is counted, not followed."""
+        if not levels:
+            yield folder, parent
+            return
+        with os.scandir(parent) as it:
+            names = [e.name for e in it if levels[0].fullmatch(e.name)
+                     and (e.is_dir(follow_symlinks=False) or (folder and e.is_symlink()))]
+        for name in names:
+            try:
+                fd = _subdir(parent, name, create=False)
+            except (FileNotFoundError, PermissionError):
+                continue
+            except Symlink:
+                self.errors["symlink"] += 1
+                continue
+            try:
+                yield from self._walk(fd, f"{folder}{name}/", levels[1:])
+            finally:
+                os.close(fd)
+
+    # ------------------------------------------------------------ the account
+    @contextlib.contextmanager
+    def _dirs(self, create: bool = False) -> Iterator[_Dirs | None]:
+        """The store's folders for one call (closed after it); None if the store was
+        refused or its root cannot be opened (the caller answers misses or failures)."""
+        dirs = None
+        if not self._refused:
+            with contextlib.suppress(OSError):
+                dirs = _Dirs(self._root, create)
+        try:
+            yield dirs
+        finally:
+            if dirs is not None:
+                dirs.close()
+
+    @contextlib.contextmanager
+    def _locked(self, dirs: _Dirs, recount: bool = True) -> Iterator[Tally]:
+        """The account held, recounted from the disk first if it is stale (unless not
+        `recount`: the caller rescans). A refused account makes the store unusable."""
+        if self._refused:
+            raise OSError(errno.EPERM, "the store's size account was refused", self._root)
+        try:
+            with self._account.locked() as tally:
+                if recount and tally.stale:
+                    self._rescan(dirs, tally, sweep=False)
+                yield tally
+        except Refused:
+            self._refused = True
+            raise
 
     @property
     def bytes_stored(self) -> int:
-        """The store's bytes, every process's objects counted (from the shared account)."""
-        with self._account.locked() as tally:
+        """The store's bytes, every process's objects counted (from the shared account,
+        recounted if stale). Raises OSError if the account cannot be used."""
+        with _Dirs(self._root) as dirs, self._locked(dirs) as tally:
             return tally.total
 
+    def _count(self, e: OSError, kind: str | None) -> None:
+        """Count a fault of `kind`, or "symlink". Something missing is no fault for a read
+        (a miss) or a delete (already gone), but is one for a write."""
+        if isinstance(e, Symlink):
+            self.errors["symlink"] += 1
+        elif kind == "write" or (kind is not None and not isinstance(e, FileNotFoundError)):
+            self.errors[kind] += 1
 
-def _subdirs(parent: str, pattern: re.Pattern[str]) -> list[str]:
-    """Subdirectories of `parent` whose names fit `pattern` (symlinks not followed)."""
+
+class _Recency:
+    """Objects ("NS/POOL/XX/<digest>") and their sizes, least recently used first, and
+    their total bytes."""
+
+    def __init__(self, items: Iterable[tuple[str, int]] = ()) -> None:
+        self._sizes: OrderedDict[str, int] = OrderedDict(items)
+        self.bytes = sum(self._sizes.values())
+
+    def touch(self, rel: str, size: int) -> None:
+        """Make `rel` the most recently used, `size` bytes."""
+        self.bytes += size - self._sizes.pop(rel, 0)
+        self._sizes[rel] = size
+
+    def forget(self, rel: str) -> None:
+        self.bytes -= self._sizes.pop(rel, 0)
+
+    def oldest(self) -> str | None:
+        """Remove and return the least recently used; None if empty."""
+        if not self._sizes:
+            return None
+        rel, size = self._sizes.popitem(last=False)
+        self.bytes -= size
+        return rel
+
+
+class _Dirs:
+    """The store's folders during one call: the root, and below it folders opened from
+    their parent's fd without following a symlink (Symlink instead). Namespace and pool
+    folders stay open until `close`; a fan folder is opened for each use (`at`)."""
+
+    def __init__(self, root: str, create: bool = False) -> None:
+        try:
+            self.root = os.open(root, _ROOT)
+        except FileNotFoundError:
+            if not create:
+                raise
+            _make_root(root)
+            self.root = os.open(root, _ROOT)
+        self._open: dict[str, int] = {}  # "NS" or "NS/POOL" -> fd
+
+    def at(self, rel: str, fn: Callable[[int, str], T], create: bool = False) -> T:
+        """fn(fd of object `rel`'s fan folder, the object's name), the folder made (0700,
+        with its parents) if missing and `create`. FileNotFoundError if missing, Symlink
+        if one is in the way."""
+        ns, pool, fan, name = rel.split("/")
+        parent = self._open.get(ns + "/" + pool)
+        if parent is None:
+            parent = self._cached(ns + "/" + pool, self._cached(ns, self.root, create), create)
+        fd = _subdir(parent, fan, create)
+        try:
+            return fn(fd, name)
+        finally:
+            os.close(fd)
+
+    def _cached(self, rel: str, parent: int, create: bool) -> int:
+        fd = self._open.get(rel)
+        if fd is None:
+            fd = self._open[rel] = _subdir(parent, os.path.basename(rel), create)
+        return fd
+
+    def close(self) -> None:
+        """Close every folder; idempotent."""
+        fds, self._open = [self.root, *self._open.values()], {}
+        self.root = -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+    def __enter__(self) -> _Dirs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rel(key: str) -> str:
+    """"NS/POOL/XX/<digest>": where key's object lives below the root."""
+    ns, pool, digest = split_key(key)
+    return f"{ns}/{pool}/{digest[:2]}/{digest}"
+
+
+def _subdir(parent: int, name: str, create: bool) -> int:
+    """Folder `name` of `parent`, opened without following a symlink; with `create`,
+    made 0700 if missing. FileNotFoundError if missing; Symlink if a symlink is there."""
     try:
-        with os.scandir(parent) as it:
-            return [e.path for e in it
-                    if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _size_or_zero(path: str) -> int:
-    try:
-        return os.stat(path).st_size
+        return os.open(name, _DIR, dir_fd=parent)
     except FileNotFoundError:
-        return 0
+        if not create:
+            raise
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent, name):
+            raise Symlink(errno.ELOOP, "a symlink where the store keeps a folder",
+                          name) from None
+        raise
+    with contextlib.suppress(FileExistsError):
+        _mkdir(name, parent)
+    return _subdir(parent, name, create=False)
 
 
-def _unlink_counted(path: str, errors: dict[str, int]) -> int:
-    """Delete `path`; the bytes freed (0 if another process deleted it first)."""
+def _make_root(root: str) -> None:
+    """Make the root and its missing parents, 0700."""
+    missing = []
+    path = os.path.abspath(root)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            _mkdir(path, None)
+
+
+def _mkdir(name: str, parent: int | None) -> None:
+    """Make folder `name` 0700 whatever the umask (its mask applies to mkdir's mode)."""
+    os.mkdir(name, 0o700, dir_fd=parent)
+    fd = os.open(name, _DIR, dir_fd=parent)
     try:
-        size = os.stat(path).st_size
-        os.unlink(path)
-        return size
-    except FileNotFoundError:
-        return 0
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _is_link(parent: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
     except OSError:
-        errors["cleanup"] += 1
+        return False
+
+
+def _mode_at(fan: int, name: str) -> int:
+    return os.stat(name, dir_fd=fan, follow_symlinks=False).st_mode
+
+
+def _open_object(fan: int, name: str) -> int:
+    try:
+        return os.open(name, _OBJECT, dir_fd=fan)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Symlink(errno.ELOOP, "a symlink where the store keeps an object",
+                          name) from None
+        raise
+
+
+def _read_upto(fd: int, limit: int) -> bytes:
+    """`fd`'s bytes, at most `limit` (to its end if limit < 0), however short each read."""
+    if limit < 0:
+        limit = os.fstat(fd).st_size + 1  # an object never grows in place
+    parts = []
+    while limit > 0:
+        part = os.read(fd, limit)
+        if not part:
+            break
+        parts.append(part)
+        limit -= len(part)
+    return b"".join(parts)
+
+
+def _write_new(fan: int, name: str, blob: bytes) -> None:
+    """Write `blob` to a new file `name` (0600) of folder `fan`; nothing is left on failure."""
+    fd = os.open(name, _NEW, 0o600, dir_fd=fan)
+    try:
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError:
+        _unlink_quietly(fan, name)
+        raise
+
+
+def _size_at(fan: int, name: str) -> int:
+    """Bytes of the regular file `name` (what the account counts for it); 0 if none."""
+    try:
+        st = os.stat(name, dir_fd=fan, follow_symlinks=False)
+    except FileNotFoundError:
         return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_sized(fan: int, name: str) -> int:
+    """Delete `name`; the bytes the account counted for it."""
+    size = _size_at(fan, name)
+    os.unlink(name, dir_fd=fan)
+    return size
+
+
+def _unlink_quietly(fan: int, name: str) -> None:
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        os.unlink(name, dir_fd=fan)
