@@ -17,7 +17,7 @@ import openai
 import pytest
 from server_util import ROOT, FleetProcess, ServerThread, alive, metrics, wait_for
 
-from shadowradix.server.fleet import add_arguments, instance_argv
+from shadowradix.server.fleet import _check, add_arguments, instance_argv, router_argv
 from shadowradix.tiers.storage.redis_common import redact as _redact
 
 KEY = "fleet-key"
@@ -99,6 +99,31 @@ def test_every_serve_flag_given_to_the_fleet_reaches_each_instance():
     assert instance_argv(args) == ["--port", "0", "--model", "tiny", "--page-size", "32",
                                    "--storage", "file:///x", "--disable-prefix-cache",
                                    "--api-key", "k"]
+
+
+def test_the_router_and_its_metrics_listen_on_the_fleets_host_alone():
+    """Both on --host (an IPv6 one in brackets for --host, bare for --prometheus-host, as
+    sglang-router 0.3 parses them: one it cannot parse silently becomes 0.0.0.0); a host
+    name, the same port twice, or --router-args naming a flag the fleet sets are refused."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+
+    def flags(*argv: str) -> dict[str, str]:
+        words = router_argv(ap.parse_args(["--model", "tiny", *argv]), ["http://[::1]:1"],
+                            8000, 9100)
+        return {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--host")
+                or w.startswith("--p")}
+
+    assert flags() == {"--host": "127.0.0.1", "--port": "8000", "--prometheus-host":
+                       "127.0.0.1", "--prometheus-port": "9100", "--policy": "cache_aware"}
+    assert flags("--host", "::1")["--host"] == "[::1]"
+    assert flags("--host", "::1")["--prometheus-host"] == "::1"
+    for argv, says in [(["--host", "localhost"], "--host must be an IP address"),
+                       (["--port", "9000", "--router-metrics-port", "9000"], "must differ"),
+                       (["--router-args=--prometheus-port 29000"], "--prometheus-port is"),
+                       (["--router-args=--host=0.0.0.0"], "--host is the fleet's own")]:
+        with pytest.raises(ValueError, match=says):
+            _check(ap.parse_args(["--model", "tiny", *argv]))
 
 
 # ------------------------------------------------------------------------ the fleet

@@ -5,21 +5,29 @@ The router sends a conversation's turns to the instance whose cache likely holds
 prefix; when it sends one elsewhere (load balance, a restart), the instances share L3
 (`--storage`), so the other instance loads the prefix from there instead of computing it.
 
-Life: every instance starts on a free port of its own and must answer `/health`, then the
-router starts at their URLs and must report every one healthy (`/readiness`); then the
-fleet prints `shadowradix: fleet of N on URL` (stderr) and watches. SIGTERM or Ctrl-C
-stops the router first (no new request reaches an instance), then every instance (each
-lets its requests in flight finish and its storage writes land) and exits 0. A child that
-dies on its own stops all the others and the fleet exits 1. Children run in process
-groups of their own (so a terminal's Ctrl-C reaches the fleet alone and it stops them in
-order) and, on Linux, get SIGTERM if the fleet itself is killed: no orphans.
+Life: a `--port` or `--router-metrics-port` that is already in use is refused at once.
+Every instance starts on a free port of its own and must answer `/health`, then the router
+starts at their URLs (its Prometheus metrics on `--host` too, on a free port by default)
+and is ready once it is the process listening on both ports and reports every instance
+healthy (`/readiness`); then the fleet prints `shadowradix: fleet of N on URL (router
+metrics on URL/metrics)` (stderr) and watches. SIGTERM or Ctrl-C, at any moment, stops the
+router first (no new request reaches an instance), then every instance (each lets its
+requests in flight finish and its storage writes land) and exits 0; a child that does not
+answer yet serves nothing and is killed instead (its process group). A child that dies on
+its own stops all the others and the fleet exits 1. Children run in process groups of
+their own (so a terminal's Ctrl-C reaches the fleet alone and it stops them in order) and,
+on Linux, get SIGTERM if the fleet itself is killed: no orphans. The children's output is
+forwarded line by line through a bounded buffer: a reader of the fleet's stderr that
+stalls or goes away costs lines (counted), never a child blocked on its own log.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import importlib.util
+import ipaddress
 import json
 import os
 import re
@@ -32,18 +40,25 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeAlias
 
-from shadowradix.flags import positive_float, positive_int
+from shadowradix.flags import port, positive_float, positive_int
 from shadowradix.server.serve import add_arguments as add_serve_arguments
 
+IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
-SERVING = re.compile(r"shadowradix: serving .* on (http://\S+)")
+# Router flags the fleet sets itself (and announces, and checks the router listens on).
+OWN_ROUTER_FLAGS = ("--host", "--port", "--prometheus-host", "--prometheus-port",
+                    "--worker-urls")
+SERVING = re.compile(r"shadowradix: serving .* on http://(\S+):(\d+)")
 POLL = 0.2  # seconds between checks while starting and watching
+LINE_BYTES = 64 * 1024  # a longer line of a child's output is forwarded in pieces
+OUTPUT_ROOM = 4 * 1024 * 1024  # bytes of the children's lines waiting for our stderr
 
 
 class FleetError(RuntimeError):
@@ -56,6 +71,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_serve_arguments(ap)
     ap.add_argument("--instances", type=positive_int, default=2, help="servers to start")
     ap.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES)
+    ap.add_argument("--router-metrics-port", type=port, default=0,
+                    help="the router's Prometheus port, on --host (0: a free one, printed)")
     ap.add_argument("--router-args", default="", metavar="'FLAGS'",
                     help="more sglang-router flags, one quoted string "
                     "(e.g. '--health-check-interval-secs 10')")
@@ -78,12 +95,19 @@ def instance_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def router_argv(args: argparse.Namespace, urls: list[str], port: int) -> list[str]:
-    """The router's command line: cache-aware (or the chosen policy) over `urls`, health
-    checks every 5 s, the instances' API key (it then requires it from clients too and
-    sends it to the instances), and a shutdown grace as long as the instances' drain."""
+def router_argv(args: argparse.Namespace, urls: list[str], port: int,
+                metrics_port: int) -> list[str]:
+    """The router's command line: cache-aware (or the chosen policy) over `urls` on
+    `--host:port`, its Prometheus metrics on `--host:metrics_port` (not the router's
+    default, every interface's 29000), health checks every 5 s, the instances' API key (it
+    then requires it from clients too and sends it to the instances), and a shutdown grace
+    as long as the instances' drain. (sglang-router 0.3 wants an IPv6 --host in brackets
+    and its --prometheus-host without: one it cannot parse silently becomes 0.0.0.0.)"""
+    ip = ipaddress.ip_address(args.host)
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-            "--policy", args.router_policy, "--host", args.host, "--port", str(port),
+            "--policy", args.router_policy, "--host", f"[{ip}]" if ip.version == 6 else str(ip),
+            "--port", str(port), "--prometheus-host", str(ip),
+            "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", "5", "--log-level", "warn",
             "--shutdown-grace-period-secs", str(max(1, round(args.drain_timeout)))]
     if args.api_key:
@@ -91,94 +115,225 @@ def router_argv(args: argparse.Namespace, urls: list[str], port: int) -> list[st
     return argv + shlex.split(args.router_args)
 
 
+@dataclass(slots=True)
+class _Gap:
+    """Where children's lines were dropped for want of room in the buffer: how many."""
+
+    lines: int = 1
+
+
+class Output:
+    """The fleet's stderr, written by a thread of its own straight to the file descriptor,
+    so that a reader that stalls or goes away (`| head`, a killed `tee`) never blocks the
+    fleet or stops it reading a child: the children's lines wait in a bounded buffer, and
+    those that do not fit or cannot be written are dropped and counted (`dropped`; where
+    lines did not fit, a note in their place says how many). The fleet's own messages
+    always wait their turn (they are few)."""
+
+    def __init__(self, fd: int, room: int = OUTPUT_ROOM) -> None:
+        self.fd = fd
+        self.room = room
+        self.dropped = 0
+        self._queue: deque[tuple[bytes, bool] | _Gap] = deque()  # (line, from a child)
+        self._waiting = 0  # bytes of children's lines queued
+        self._writing = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._write_all, name="fleet-output", daemon=True).start()
+
+    def child_line(self, line: bytes) -> None:
+        """Queue one line of a child's output, or drop it if the buffer is full; never
+        waits for the reader."""
+        with self._changed:
+            if self._waiting + len(line) <= self.room:
+                self._waiting += len(line)
+                self._queue.append((line, True))
+            elif self._queue and isinstance(gap := self._queue[-1], _Gap):
+                gap.lines += 1
+                self.dropped += 1
+            else:
+                self._queue.append(_Gap())
+                self.dropped += 1
+            self._changed.notify_all()
+
+    def say(self, message: str) -> None:
+        """Queue one of the fleet's own lines, `shadowradix: MESSAGE`, whatever the room."""
+        with self._changed:
+            self._queue.append((f"shadowradix: {message}\n".encode(errors="replace"), False))
+            self._changed.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until everything queued is written (or dropped);
+        False if the reader still holds it up."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._queue and not self._writing,
+                                          timeout)
+
+    def _write_all(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._queue))
+                entry = self._queue.popleft()
+                self._writing = True
+            if isinstance(entry, _Gap):
+                line, from_child = (f"shadowradix: fleet: {entry.lines} lines of the "
+                                    "children's output dropped here (stderr was not read)\n"
+                                    ).encode(), False
+            else:
+                line, from_child = entry
+            written = self._write(line)
+            with self._changed:
+                if from_child:
+                    self._waiting -= len(line)
+                    self.dropped += not written
+                self._writing = False
+                self._changed.notify_all()
+
+    def _write(self, data: bytes) -> bool:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+            return True
+        except OSError:  # BrokenPipeError: nobody reads our stderr any more
+            return False
+
+
 @dataclass(eq=False)
 class Child:
     """One child process; a thread forwards its output to ours, each line prefixed with
-    the child's name, and notes the URL a server prints once it listens."""
+    the child's name, and notes the URL a server prints once it listens. `up`: it answers
+    (an instance: HTTP, any status; the router: the fleet's readiness check), so it has
+    its signal handlers: from then on it is stopped by SIGTERM, before by SIGKILL."""
 
     name: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[bytes]
+    output: Output
     url: str | None = None
     listening: threading.Event = field(default_factory=threading.Event)
-    terminated: bool = False
+    up: bool = False
+    signalled: bool = False
+    killed_early: bool = False  # SIGKILLed by us before it was up
 
     @classmethod
-    def spawn(cls, name: str, argv: list[str]) -> Child:
+    def spawn(cls, name: str, argv: list[str], output: Output) -> Child:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, process_group=0,
+                                stdin=subprocess.DEVNULL, process_group=0,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=_die_with_parent)
-        child = cls(name, proc)
+                                preexec_fn=partial(_die_with_parent, os.getpid()))
+        child = cls(name, proc, output)
         threading.Thread(target=child._forward, name=f"fleet-{name}", daemon=True).start()
         return child
 
     def _forward(self) -> None:
+        """Read the child's output to its end, always: a child blocked on a full pipe
+        would stop answering while it looks alive."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            sys.stderr.write(f"[{self.name}] {line}")
-            found = SERVING.search(line)
-            if found and self.url is None:
-                self.url = found.group(1)
+        prefix = f"[{self.name}] ".encode()
+        for line in iter(partial(self.proc.stdout.readline, LINE_BYTES), b""):
+            if self.url is None and (found := SERVING.search(line.decode(errors="replace"))):
+                self.url = _url(found.group(1).strip("[]"), int(found.group(2)))
                 self.listening.set()
+            self.output.child_line(prefix + line.rstrip(b"\n") + b"\n")
 
     def describe(self) -> str:
         return f"{self.name} (pid {self.proc.pid})"
 
     def terminate(self) -> None:
-        """SIGTERM, once: a second one would make a draining server quit at once."""
-        if not self.terminated and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        self.terminated = True
+        """Ask it to stop, once. One that is up gets SIGTERM (it drains; a second one would
+        make a draining server quit at once). One that is not serves nothing yet, and a
+        SIGTERM could come before its handlers (it would die of it) or between serve's and
+        uvicorn's (lost): its process group gets SIGKILL."""
+        if not self.signalled and self.proc.poll() is None:
+            if self.up:
+                self.proc.send_signal(signal.SIGTERM)
+            else:
+                _kill_group(self.proc.pid)
+                self.killed_early = True
+        self.signalled = True
 
-    def stop(self, timeout: float) -> int:
-        """SIGTERM, then SIGKILL to its whole process group after `timeout` seconds;
-        returns its exit code."""
+    def stop(self, timeout: float) -> str | None:
+        """`terminate`, then SIGKILL to its whole process group after `timeout` seconds;
+        None if it stopped cleanly (exit code 0, or killed before it was up), else what
+        went wrong. Whatever it leaves in its process group is killed."""
         self.terminate()
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            print(f"shadowradix: fleet: {self.describe()} did not stop in {timeout:g} s; "
-                  "killing it", file=sys.stderr, flush=True)
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its group is its pid (process_group=0)
-            return self.proc.wait()
+            self.output.say(f"fleet: {self.describe()} did not stop in {timeout:g} s; "
+                            "killing it")
+            _kill_group(self.proc.pid)
+            code = self.proc.wait()
+        _kill_group(self.proc.pid)
+        if code == 0 or (self.killed_early and code == -signal.SIGKILL):
+            return None
+        return f"{self.describe()}: code {code}"
 
 
 class Fleet:
     """The children and their order: instances first, the router over them last; stopped
     in the reverse order."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, output: Output) -> None:
         self.args = args
+        self.output = output
         self.instances: list[Child] = []
         self.router: Child | None = None
-        self.url = ""
+        self.port = self.metrics_port = 0
+        self.url = self.metrics_url = ""
         self.stopping = threading.Event()  # set by SIGTERM / SIGINT
 
     def start(self) -> None:
-        """Start and wait for every child; FleetError if one fails or the fleet is told
-        to stop meanwhile (the caller stops what did start)."""
+        """Start and wait for every child; FleetError if one fails, a port asked for is in
+        use, or the fleet is told to stop meanwhile (the caller stops what did start)."""
+        host = self.args.host
+        wanted = {"--port": self.args.port, "--router-metrics-port": self.args.router_metrics_port}
+        _ports(host, wanted)  # before loading any model: a port in use fails at once
         argv = [sys.executable, "-m", "shadowradix", "serve", *instance_argv(self.args)]
         for i in range(self.args.instances):
-            self.instances.append(Child.spawn(f"instance {i}", argv))
+            self._check_stopping()
+            self.instances.append(Child.spawn(f"instance {i}", argv, self.output))
         for child in self.instances:
             self._wait(child, child.listening.is_set, "print its URL")
-            assert child.url is not None
-            self._wait(child, partial(_healthy, child.url), "be healthy")
-        port = self.args.port or _free_port(self.args.host)
+            self._wait(child, partial(self._healthy, child), "be healthy")
+        self.port, self.metrics_port = _ports(host, wanted)  # again: still free?
         urls = [c.url for c in self.instances if c.url]
-        self.router = Child.spawn("router", router_argv(self.args, urls, port))
-        self.url = f"http://{self.args.host}:{port}"
-        self._wait(self.router, self._router_ready, f"report {len(urls)} healthy instances")
+        self._check_stopping()
+        self.router = Child.spawn("router", router_argv(self.args, urls, self.port,
+                                                        self.metrics_port), self.output)
+        self.url = _url(host, self.port)
+        self.metrics_url = f"{_url(host, self.metrics_port)}/metrics"
+        self._wait(self.router, partial(self._router_ready, self.router),
+                   f"listen on ports {self.port} and {self.metrics_port} and report "
+                   f"{len(urls)} healthy instances")
+        self._check_stopping()
 
-    def _router_ready(self) -> bool:
+    def _healthy(self, child: Child) -> bool:
+        assert child.url is not None
+        status = _status(f"{child.url}/health")
+        child.up = child.up or status is not None
+        return status == 200
+
+    def _router_ready(self, router: Child) -> bool:
+        """Our router reports every instance healthy and is the process listening on both
+        ports, on --host (not another fleet's router that held a port: it answers too)."""
         ready = _get(f"{self.url}/readiness")
-        return ready is not None and ready.get("healthy_workers") == len(self.instances)
+        if ready is None or ready.get("healthy_workers") != len(self.instances):
+            return False
+        held = _listening(router.proc.pid)
+        ip = ipaddress.ip_address(self.args.host)
+        router.up = held is None or {(ip, self.port), (ip, self.metrics_port)} <= held
+        return router.up
+
+    def _check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise FleetError("stopped while starting")
 
     def _wait(self, child: Child, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.args.start_timeout
-        while not ready():
-            if self.stopping.is_set():
-                raise FleetError("stopped while starting")
+        while True:
+            self._check_stopping()
+            if ready():
+                return
             if child.proc.poll() is not None:
                 raise FleetError(f"{child.describe()} exited with code {child.proc.returncode} "
                                  f"before it could {what} (its output is above)")
@@ -200,40 +355,49 @@ class Fleet:
 
     def stop(self) -> list[str]:
         """Stop the router, then every instance at once; returns the children that did not
-        exit cleanly (code 0), described."""
+        stop cleanly, described."""
         bad = []
-        if self.router is not None and self.router.stop(timeout=self.args.drain_timeout + 10):
-            bad.append(f"{self.router.describe()}: code {self.router.proc.returncode}")
+        if self.router is not None:
+            bad.append(self.router.stop(timeout=self.args.drain_timeout + 10))
         for child in self.instances:
             child.terminate()
         for child in self.instances:  # each drains, finishes its storage writes, exits 0
-            if child.stop(timeout=self.args.drain_timeout + 30):
-                bad.append(f"{child.describe()}: code {child.proc.returncode}")
-        return bad
+            bad.append(child.stop(timeout=self.args.drain_timeout + 30))
+        return [b for b in bad if b is not None]
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    """`shadowradix fleet`: 0 after a requested stop that every child survived cleanly;
-    1 if the fleet could not start or lost a child; ValueError for bad flags."""
+    """`shadowradix fleet`: 0 after a requested stop (at any moment, start-up included)
+    that every child survived cleanly; 1 if the fleet could not start or lost a child;
+    ValueError for bad flags."""
     _check(args)
-    fleet = Fleet(args)
+    output = Output(_stderr_fd())
+    try:
+        return _run(Fleet(args, output), output)
+    finally:
+        output.flush(5.0)  # a reader that holds it up longer loses the rest
+
+
+def _run(fleet: Fleet, output: Output) -> int:
     error = None
     with _stop_on_signals(fleet.stopping):
         try:
             fleet.start()
-            print(f"shadowradix: fleet of {args.instances} on {fleet.url}", file=sys.stderr,
-                  flush=True)
+            output.say(f"fleet of {fleet.args.instances} on {fleet.url} "
+                       f"(router metrics on {fleet.metrics_url})")
             fleet.watch()
         except FleetError as e:
-            error = None if fleet.stopping.is_set() else str(e)  # stopped while starting: fine
+            error = None if fleet.stopping.is_set() else str(e)  # stopped while starting
         finally:
             unclean = fleet.stop()
+    if output.dropped:
+        output.say(f"fleet: {output.dropped} lines of the children's output dropped in all "
+                   "(stderr was not read)")
     if error is not None:
-        print(f"shadowradix: fleet: error: {error}", file=sys.stderr, flush=True)
+        output.say(f"fleet: error: {error}")
         return 1
     if unclean:
-        print(f"shadowradix: fleet: stopped, but not cleanly: {'; '.join(unclean)}",
-              file=sys.stderr, flush=True)
+        output.say(f"fleet: stopped, but not cleanly: {'; '.join(unclean)}")
         return 1
     return 0
 
@@ -243,6 +407,18 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
     if args.router_policy == "power_of_two" and args.instances < 2:
         raise ValueError("--router-policy power_of_two needs --instances >= 2")
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        raise ValueError(f"--host must be an IP address (the router takes no host name), "
+                         f"got {args.host!r}: e.g. 127.0.0.1, 0.0.0.0 or ::1") from None
+    if args.port and args.port == args.router_metrics_port:
+        raise ValueError(f"--router-metrics-port must differ from --port ({args.port})")
+    for word in shlex.split(args.router_args):
+        if word.split("=", 1)[0] in OWN_ROUTER_FLAGS:
+            raise ValueError(f"--router-args: {word.split('=', 1)[0]} is the fleet's own "
+                             "(it comes from --host, --port, --router-metrics-port and the "
+                             "instances)")
     if importlib.util.find_spec("sglang_router") is None:
         raise ValueError("the fleet needs SGLang's router: pip install 'sglang-router>=0.3,<0.4'")
 
@@ -260,6 +436,17 @@ def _stop_on_signals(stopping: threading.Event) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _status(url: str) -> int | None:
+    """The HTTP status of a GET, or None (no answer yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:  # URLError and connection errors
+        return None
+
+
 def _get(url: str) -> dict[str, Any] | None:
     """The JSON of a 200 answer, or None (any other status, or no answer yet)."""
     try:
@@ -270,21 +457,99 @@ def _get(url: str) -> dict[str, Any] | None:
         return None
 
 
-def _healthy(url: str) -> bool:
-    return _get(f"{url}/health") is not None
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _ports(host: str, wanted: dict[str, int]) -> list[int]:
+    """A port on `host` for each flag: the one it asks for, or a free one for 0, each
+    listened on (SO_REUSEADDR, as the router's: a closed connection's TIME_WAIT does not
+    count, a listener does) until all are picked, then released. FleetError naming the
+    flag if one cannot be listened on (in use, or --host not this machine's)."""
+    with ExitStack() as held:
+        ports = []
+        for flag, port in wanted.items():
+            s = held.enter_context(socket.socket(_family(host)))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                s.listen()
+            except OSError as e:
+                if not port:
+                    raise FleetError(f"--host {host}: cannot listen there: {e.strerror}") from None
+                if e.errno != errno.EADDRINUSE:
+                    raise FleetError(f"{flag} {port}: cannot listen on {host} port {port}: "
+                                     f"{e.strerror}") from None
+                raise FleetError(f"{flag} {port}: {host} port {port} is in use (another fleet "
+                                 "or server?); choose another, or 0 for a free one") from None
+            ports.append(int(s.getsockname()[1]))
+        return ports
+
+
+def _listening(pid: int) -> set[tuple[IPAddress, int]] | None:
+    """The (address, port) pairs process `pid` listens on, TCP, from /proc (empty once it
+    is gone), or None where the system cannot say (not Linux)."""
+    if sys.platform != "linux":
+        return None
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    held = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        # sl local_address rem_address st ... inode; st 0A: LISTEN; the address in hex,
+        # 32-bit words each in the machine's byte order
+        for row in rows:
+            if row[3] == "0A" and row[9] in inodes:
+                addr, port = row[1].split(":")
+                raw = bytes.fromhex(addr)
+                if sys.byteorder == "little":
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                held.add((ipaddress.ip_address(raw), int(port, 16)))
+    return held
+
+
+def _stderr_fd() -> int:
+    if sys.stderr is None:  # started with fd 2 closed: it may be reused by any file since
+        return os.open(os.devnull, os.O_WRONLY)
+    try:
+        return sys.stderr.fileno()
+    except (OSError, ValueError):  # replaced by an object with no file (io.StringIO)
+        return 2
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process left in a child's group (its group is its pid:
+    process_group=0); nothing if none is."""
+    with suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the fleet dies, even by SIGKILL (Linux)."""
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGTERM when the fleet dies, even by SIGKILL (Linux); no
+    exec at all if it died already (before the request could take effect)."""
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
