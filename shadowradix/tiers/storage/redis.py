@@ -4,6 +4,13 @@ Batches are pipelined (one round trip per call). A short socket timeout bounds e
 call, and a circuit breaker keeps a dead or stalled server from costing one timeout per
 call: after a timeout every call answers at once (misses, failed writes, counted as
 "skipped") until the back-off ends and one call probes the server again.
+
+Replies are checked against what each command answers (replies.py): one of the wrong
+shape or type is a counted miss ("bad_reply"), never an exception. URL options that
+change what redis-py returns are refused at construction (REPLY_OPTIONS): every key and
+value this backend handles is raw bytes. The wire protocol is left to redis-py (RESP3
+unless the URL says `protocol=2`, which a server older than Redis 6 needs): it does not
+change the replies read here.
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
+from shadowradix.tiers.storage import replies
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
 from shadowradix.tiers.storage.redis_common import (
@@ -24,16 +33,33 @@ from shadowradix.tiers.storage.redis_common import (
     unreachable_errors,
 )
 
+# redis-py options that change what a reply decodes to: str instead of the stored bytes
+# (decode_responses: any value, as redis-py takes "false" for a true string), or other
+# bytes for every key (encoding, encoding_errors), so other engines' objects are missed.
+REPLY_OPTIONS = ("decode_responses", "encoding", "encoding_errors")
+
+
+def check_url_options(url: str) -> None:
+    """ValueError naming each query option of `url` that REPLY_OPTIONS refuses."""
+    refused = [name for name in parse_qs(urlsplit(url).query) if name in REPLY_OPTIONS]
+    if refused:
+        raise ValueError(f"{redact(url)}: the URL option {', '.join(refused)} changes what "
+                         f"redis-py returns (storage keys and objects are raw bytes); "
+                         f"remove it from the URL")
+
 
 class RedisBackend(StorageBackend):
-    """Raises ValueError at construction if the server refuses our credentials; an
-    unreachable server is only logged and counted (it may come up later)."""
+    """Raises ValueError at construction for a URL option that changes the replies'
+    types (REPLY_OPTIONS) or one redis-py does not know, or if the server refuses our
+    credentials or the RESP3 handshake; an unreachable server, or one whose replies
+    make no sense, is only logged and counted (it may come up later)."""
 
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
                  backoff_s: float = 5.0, secret: bytes | str | None = None) -> None:
         super().__init__(secret)
         import redis
 
+        check_url_options(url)
         self._errors_types = store_errors()
         self.ttl_s = ttl_s
         self.breaker = CircuitBreaker(backoff_s)
@@ -59,12 +85,25 @@ class RedisBackend(StorageBackend):
                 self._client.close()
                 raise ValueError(f"the server at {redact(url)} needs a password ({e}); use "
                                  f"redis://:PASSWORD@HOST:PORT/DB") from None
+            if "HELLO" in str(e).upper():
+                self._client.close()
+                raise ValueError(f"the server at {redact(url)} refused the RESP3 handshake "
+                                 f"({e}); a server older than Redis 6 needs ?protocol=2 in "
+                                 f"the URL") from None
             raise
         except unreachable_errors() as e:
             self.errors["unreachable"] += 1
             self.breaker.failed()
             log.warning("storage %s unreachable at open (%s); reads miss and writes fail "
                         "until it answers", redact(url), e)
+        except TypeError as e:
+            if "unexpected keyword argument" not in str(e):
+                raise
+            self._client.close()
+            raise ValueError(f"{redact(url)}: redis-py does not know an option of this URL "
+                             f"({e})") from None
+        except Exception as e:  # it answered, with nothing redis-py could read
+            self._guarded.bad_reply(e)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -74,7 +113,7 @@ class RedisBackend(StorageBackend):
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(k)
-            return [bool(n) for n in pipe.execute()]
+            return [replies.flag(n) for n in replies.values(pipe.execute(), len(keys))]
         return self._guarded(call, [False] * len(keys))
 
     def batch_get(self, keys: Sequence[str],
@@ -82,15 +121,17 @@ class RedisBackend(StorageBackend):
         if not keys:
             return []
         if sizes is None:
-            blobs: list[Any] = self._guarded(lambda: self._client.mget(list(keys)),
-                                             [None] * len(keys))
+            def call() -> list[bytes | None]:
+                return replies.blobs(self._client.mget(list(keys)), len(keys))
         else:  # GETRANGE: at most one byte past each object's size leaves the server
-            def call() -> list[Any]:
+            def call() -> list[bytes | None]:
                 pipe = self._client.pipeline(transaction=False)
                 for k, size in zip(keys, sizes, strict=True):
                     pipe.getrange(k, 0, self.codec.stored_size(k, size))
-                return [blob or None for blob in pipe.execute()]  # b"": no such key
-            blobs = self._guarded(call, [None] * len(keys))
+                return [replies.range_blob(r)
+                        for r in replies.values(pipe.execute(), len(keys))]
+        miss: list[bytes | None] = [None] * len(keys)
+        blobs = self._guarded(call, miss)
         return [None if blob is None else self.verified(k, blob, None if sizes is None
                                                         else sizes[i])
                 for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
@@ -103,21 +144,24 @@ class RedisBackend(StorageBackend):
             pipe = self._client.pipeline(transaction=False)
             for k, payload in items:
                 pipe.set(k, self.codec.encode(k, payload), ex=self.ttl_s)
-            return [bool(ok) for ok in pipe.execute()]
+            return [replies.stored(ok) for ok in replies.values(pipe.execute(), len(items))]
         return self._guarded(call, [False] * len(items))
 
     def clear(self, namespace: str) -> int:
         """SCAN for the namespace's keys and delete them in pipelined batches. Tries even
         while the breaker is open (an explicit request deserves a real answer); raises
-        StorageUnavailable if the server did not answer."""
+        StorageUnavailable if the server did not answer (or answered nonsense)."""
         gone = 0
         try:
             for n in scan_delete(self._client, namespace,
-                                 lambda batch: int(self._client.delete(*batch))):
+                                 lambda batch: replies.count(self._client.delete(*batch))):
                 gone += n
-        except self._errors_types as e:
-            self.errors["unreachable"] += 1
-            self.breaker.failed()
+        except Exception as e:
+            if isinstance(e, self._errors_types):
+                self.errors["unreachable"] += 1
+                self.breaker.failed()
+            else:  # a reply of the wrong shape (BadReply, or one redis-py choked on)
+                self._guarded.bad_reply(e)
             raise StorageUnavailable(f"the store did not answer ({e}); {gone} objects of "
                                      f"{namespace} deleted, others may remain") from None
         self.breaker.succeeded()

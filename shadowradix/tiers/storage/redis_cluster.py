@@ -25,12 +25,20 @@ failing over costs one bounded wait, then its keys miss at once ("skipped") whil
 other masters keep serving theirs. A refusal (MOVED, ASK, CLUSTERDOWN, TRYAGAIN) is a
 miss too, counted; after a refusal or an unreachable master the slot map is re-read
 (at most once per `refresh_s`, trying the failed master last), so a failover or a
-resharding is followed within a call or two.
+resharding is followed within a call or two. A reply of the wrong shape or type is a miss
+on the keys it answers, counted "bad_reply" (see replies.py).
+
+Start-up. Any one seed that answers is enough, whichever masters are down: redis-py's
+RedisCluster asks one node for COMMAND while it is built, its default node (the master
+of the first slot range), and with that master down the whole constructor failed, so
+the store missed everything until it was back. Here COMMAND goes to the first node that
+answers, and a master down at open costs its own slots only, like one that dies later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -39,6 +47,7 @@ from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
+from shadowradix.tiers.storage import replies
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
 from shadowradix.tiers.storage.redis_common import (
@@ -49,6 +58,7 @@ from shadowradix.tiers.storage.redis_common import (
     refused_credentials,
     scan_delete,
     store_errors,
+    unreachable_errors,
 )
 
 SCHEME = "redis-cluster://"
@@ -66,6 +76,9 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], str | None, str 
     if not isinstance(url, str) or not url.startswith(SCHEME):
         raise ValueError(f"{url!r} is not a redis-cluster:// URL; {usage}")
     auth, _, hosts = url.removeprefix(SCHEME).rpartition("@")
+    if "?" in hosts:
+        raise ValueError(f"{redact(url)}: a redis-cluster:// URL takes no ?option (keys and "
+                         f"objects are raw bytes, calls are bounded by the backend); {usage}")
     hosts, _, db = hosts.partition("/")
     if db not in ("", "0"):
         raise ValueError(f"{redact(url)}: a cluster has only database 0, got /{db}; {usage}")
@@ -83,6 +96,56 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], str | None, str 
         username, password = (unquote(user) or None, unquote(pw)) if colon else (None,
                                                                                unquote(user))
     return seeds, username, password
+
+
+@functools.cache
+def client_class() -> Any:
+    """redis-py's RedisCluster, built from any seed that answers (see the module
+    docstring): its constructor's COMMAND goes to the default node, then to each other
+    node in turn while they are unreachable, and the first that answers becomes the
+    default node. Nothing else changes. Where every node that answered refused COMMAND
+    (an ACL without it), the table is empty: this backend routes keys itself and sends
+    commands to one node's client, so it never reads the table."""
+    from redis.cluster import RedisCluster
+    from redis.exceptions import ResponseError
+
+    class Cluster(RedisCluster):
+        def command(self, **kwargs: Any) -> Any:
+            default = self.get_default_node()
+            error: BaseException | None = None
+            refused = False
+            for node in [default, *(n for n in self.get_nodes() if n is not default)]:
+                if node is None or node.redis_connection is None:
+                    continue
+                try:
+                    table = node.redis_connection.command(**kwargs)
+                except unreachable_errors() as e:
+                    error = e
+                    continue
+                except ResponseError as e:  # it answers, and does not let us ask that
+                    log.info("storage: node %s refused COMMAND (%s)", node.name, e)
+                    refused = True
+                    continue
+                if node is not default:
+                    self.set_default_node(node)
+                return table
+            if refused:
+                return {}
+            if error is None:
+                return super().command(**kwargs)
+            raise error
+
+    return Cluster
+
+
+def _naming(e: BaseException | None, word: str) -> BaseException | None:
+    """The first of `e` and the exceptions it was raised from or while handling that
+    names `word`, or None."""
+    while e is not None:
+        if word in str(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def cluster_key(key: str) -> str:
@@ -128,18 +191,19 @@ class RedisClusterBackend(StorageBackend):
     def _connect(self, at_open: bool = False) -> bool:
         """Build the client from the seeds (reads the slot map). Raises ValueError only
         at open and only for a caller's mistake; otherwise counts and backs off."""
-        from redis.cluster import ClusterNode, RedisCluster
-        from redis.exceptions import RedisClusterException
+        from redis.cluster import ClusterNode
 
-        caught: tuple[type[BaseException], ...] = (RedisClusterException, *self._faults)
         try:
-            self._cluster = RedisCluster(
+            self._cluster = client_class()(
                 startup_nodes=[ClusterNode(h, p) for h, p in self._seeds], **self._options)
-        except caught as e:
+        except Exception as e:  # a fault, or a slot map redis-py could not read
             if at_open and refused_credentials(e):
                 raise ValueError(f"the cluster at {self.url} refused the credentials ({e}); "
                                  f"put the right password in the URL: "
                                  f"redis-cluster://:PASSWORD@HOST:PORT,...") from None
+            if at_open and (hello := _naming(e, "HELLO")) is not None:
+                raise ValueError(f"{self.url}: the cluster refused the RESP3 handshake "
+                                 f"({hello}); redis-cluster:// needs Redis 6 or Valkey") from None
             if at_open and "Cluster mode is not enabled" in str(e):
                 raise ValueError(f"{self.url}: the seed is not in cluster mode; for a single "
                                  f"server use redis://HOST:PORT/DB") from None
@@ -201,7 +265,8 @@ class RedisClusterBackend(StorageBackend):
         slot queues commands and returns, per command, the indices its reply answers;
         then `parse(indices, reply)` per reply. Masters run in parallel; a master's fault
         leaves its keys untouched (misses) and is counted once; a refused command (MOVED,
-        CLUSTERDOWN, ...) leaves its own keys untouched and is counted."""
+        CLUSTERDOWN, ...) or a reply `parse` refuses (BadReply) leaves its own keys
+        untouched and is counted."""
         cluster = self._ready()
         if cluster is None:
             return
@@ -210,7 +275,8 @@ class RedisClusterBackend(StorageBackend):
         def pipeline(node: Any, slots: dict[int, list[int]]) -> list[tuple[list[int], Any]]:
             pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
             answers = [idx for indices in slots.values() for idx in queue(pipe, indices)]
-            return list(zip(answers, pipe.execute(raise_on_error=False), strict=True))
+            got = replies.values(pipe.execute(raise_on_error=False), len(answers))
+            return list(zip(answers, got, strict=True))
 
         pending: dict[str, Future[list[tuple[list[int], Any]]] | None] = {}
         for name, (node, slots) in routes.items():
@@ -224,18 +290,19 @@ class RedisClusterBackend(StorageBackend):
                 self.errors["skipped"] += 1
                 continue
             guard = self._guard(name)
-            replies = guard(fut.result, None)
-            if replies is None:
+            answered = guard(fut.result, None)
+            if answered is None:
                 if guard.breaker.is_open:
                     self._stale = name  # down or failing over: re-read who owns its slots
                 continue
-            self._parse(replies, parse)
+            self._parse(guard, answered, parse)
 
-    def _parse(self, replies: list[tuple[list[int], Any]],
+    def _parse(self, guard: Guard, answered: list[tuple[list[int], Any]],
                parse: Callable[[list[int], Any], None]) -> None:
         import redis
 
-        for indices, reply in replies:
+        bad: list[Exception] = []
+        for indices, reply in answered:
             if isinstance(reply, redis.exceptions.AskError | redis.exceptions.TryAgainError):
                 self.errors["moved"] += 1  # MOVED (a subclass of ASK) or a migration
                 self._mark_stale()
@@ -246,7 +313,12 @@ class RedisClusterBackend(StorageBackend):
                 self.errors["server"] += 1
                 log.warning("storage error: %s", reply)
             else:
-                parse(indices, reply)
+                try:
+                    parse(indices, reply)
+                except replies.BadReply as e:
+                    bad.append(e)
+        if bad:
+            guard.bad_reply(bad[0], len(bad))
 
     def _mark_stale(self) -> None:
         if self._stale is None:
@@ -266,14 +338,14 @@ class RedisClusterBackend(StorageBackend):
             return [[i] for i in indices]
 
         def parse(indices: list[int], reply: Any) -> None:
-            out[indices[0]] = bool(reply)
+            out[indices[0]] = replies.flag(reply)
         if keys:
             self._run(keys, queue, parse)
         return out
 
     def batch_get(self, keys: Sequence[str],
                   sizes: Sequence[int] | None = None) -> list[bytes | None]:
-        blobs: list[Any] = [None] * len(keys)
+        blobs: list[bytes | None] = [None] * len(keys)
 
         def queue(pipe: Any, indices: list[int]) -> list[list[int]]:
             if sizes is None:
@@ -285,9 +357,9 @@ class RedisClusterBackend(StorageBackend):
             return [[i] for i in indices]
 
         def parse(indices: list[int], reply: Any) -> None:
-            if sizes is not None:
-                reply = [reply or None]  # GETRANGE of a missing key: b""
-            for i, blob in zip(indices, reply, strict=True):
+            got = (replies.blobs(reply, len(indices)) if sizes is None
+                   else [replies.range_blob(reply)])
+            for i, blob in zip(indices, got, strict=True):
                 blobs[i] = blob
         if keys:
             self._run(keys, queue, parse)
@@ -307,7 +379,7 @@ class RedisClusterBackend(StorageBackend):
             return [[i] for i in indices]
 
         def parse(indices: list[int], reply: Any) -> None:
-            out[indices[0]] = bool(reply)
+            out[indices[0]] = replies.stored(reply)
         if items:
             self._run([k for k, _ in items], queue, parse)
         return out
@@ -316,7 +388,8 @@ class RedisClusterBackend(StorageBackend):
     def clear(self, namespace: str) -> int:
         """SCAN every master for the namespace's keys and delete them, one DEL per slot.
         Tries even where a breaker is open (an explicit request deserves a real answer);
-        raises StorageUnavailable, after trying every master, if one did not answer."""
+        raises StorageUnavailable, after trying every master, if one did not answer (or
+        answered nonsense)."""
         if self._cluster is None and not self._connect():
             raise StorageUnavailable(f"the cluster at {self.url} did not answer; nothing of "
                                      f"{namespace} deleted")
@@ -329,9 +402,12 @@ class RedisClusterBackend(StorageBackend):
             try:
                 for n in scan_delete(client, namespace, partial(_delete, client)):
                     gone += n
-            except self._faults as e:
-                self.errors["unreachable"] += 1
-                self._guard(node.name).breaker.failed()
+            except Exception as e:
+                if isinstance(e, self._faults):
+                    self.errors["unreachable"] += 1
+                    self._guard(node.name).breaker.failed()
+                else:  # a reply of the wrong shape (BadReply, or one redis-py choked on)
+                    self._guard(node.name).bad_reply(e)
                 failed.append(f"{node.name} ({e})")
                 continue
             self._guard(node.name).breaker.succeeded()
@@ -367,4 +443,4 @@ def _delete(client: Any, keys: list[bytes]) -> int:
     pipe = client.pipeline(transaction=False)
     for group in by_slot.values():
         pipe.delete(*group)
-    return sum(int(n) for n in pipe.execute())
+    return sum(replies.count(n) for n in replies.values(pipe.execute(), len(by_slot)))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.replies import BadReply
 from shadowradix.tiers.storage.urls import redact
 
 __all__ = ["Guard", "client_options", "redact", "refused_credentials", "scan_delete",
@@ -61,7 +62,9 @@ class Guard:
 
     def __call__(self, call: Callable[[], T], miss: T) -> T:
         """`call()`, or `miss` at once while the breaker is open or when the call fails
-        (counted: "skipped", "unreachable" or "server"). Never raises a store fault."""
+        (counted: "skipped", "unreachable", "server" or "bad_reply"). Never raises an
+        Exception: a reply that `call` refuses (BadReply) or that redis-py could not
+        make sense of (a malformed redirection, an undecodable value) is "bad_reply"."""
         if not self.breaker.allow():
             self.errors["skipped"] += 1
             return miss
@@ -75,11 +78,26 @@ class Guard:
             return miss
         except self._faults as e:  # the server answered with an error (e.g. OOM)
             self.errors["server"] += 1
-            log.warning("storage error%s: %s", f" on {self.where}" if self.where else "", e)
+            log.warning("storage error%s: %s", self._on, e)
             self.breaker.succeeded()
+            return miss
+        except Exception as e:  # BadReply, or raised parsing a reply: it answered, wrongly
+            self.bad_reply(e)
             return miss
         self.breaker.succeeded()
         return out
+
+    def bad_reply(self, e: Exception, n: int = 1) -> None:
+        """Count `n` replies of the wrong shape or type (`e`: the first); the server
+        answered, so the breaker stays closed."""
+        self.errors["bad_reply"] += n
+        self.breaker.succeeded()
+        log.warning("storage reply%s not understood (%s: %s); a miss", self._on,
+                    type(e).__name__, e, exc_info=not isinstance(e, BadReply))
+
+    @property
+    def _on(self) -> str:
+        return f" on {self.where}" if self.where else ""
 
 
 def refused_credentials(e: BaseException) -> bool:
