@@ -195,3 +195,24 @@ def test_sigterm_aborts_what_outlasts_the_drain_timeout():
         assert server.proc.wait(30) == 0, "".join(server.log)
     finally:
         server.kill()
+
+
+def test_sigterm_the_moment_serving_is_announced_exits_0():
+    """Between `serving ... on` and uvicorn's own handlers, a SIGTERM met only a handler
+    that logged it: the server then ran on until killed (#20, found through the fleet).
+    The signal is sent in that window for sure: from uvicorn's run, before it starts."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, uvicorn\n"
+            "from shadowradix.cli import main\n"
+            "run = uvicorn.Server.run\n"
+            "def early(self, *a, **kw):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return run(self, *a, **kw)\n"
+            "uvicorn.Server.run = early\n"
+            "sys.exit(main(['serve', '--model', 'tiny', '--port', '0']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stopped by SIGTERM" in proc.stderr

@@ -247,9 +247,14 @@ def serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn_config(build_app(runtime), runtime.limits,
                                            args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it is done; ours only says so,
-    # so a shutdown that drained cleanly exits 0.
+    # so a shutdown that drained cleanly exits 0. Until uvicorn installs its own handlers,
+    # ours is the one a signal meets: it asks the server to stop as soon as it runs.
+    def stop(signum: int, frame: Any) -> None:
+        log.info("stopped by %s", signal.Signals(signum).name)
+        server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _: log.info("stopped by %s", signal.Signals(s).name))
+        signal.signal(sig, stop)
     print(f"shadowradix: serving {runtime.model_name} on http://{host}:{port}", file=sys.stderr,
           flush=True)
     server.run(sockets=[sock])
