@@ -246,7 +246,7 @@ def test_output_never_waits_for_its_reader():
     """The fleet's stderr: a reader that stalls costs the children's lines that do not fit
     (counted, and a note once it reads again), never a wait; the fleet's own lines wait
     their turn whatever the room; a reader that goes away costs every line, quietly."""
-    from shadowradix.server.fleet import Output  # (here: the other tests run on any fleet)
+    from shadowradix.server.fleet_output import Output  # (here: the other tests run on any fleet)
 
     read, write = os.pipe()
     try:

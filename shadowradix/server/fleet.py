@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import errno
 import importlib.util
 import ipaddress
 import json
@@ -33,32 +32,29 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeAlias
+from typing import Any
 
 from shadowradix.flags import port, positive_float, positive_int
+from shadowradix.server.fleet_output import Output, forward, stderr_fd
+from shadowradix.server.fleet_ports import PortError, http_url, listen_addresses, pick_ports
 from shadowradix.server.serve import add_arguments as add_serve_arguments
 
-IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 # Router flags the fleet sets itself (and announces, and checks the router listens on).
 OWN_ROUTER_FLAGS = ("--host", "--port", "--prometheus-host", "--prometheus-port",
                     "--worker-urls")
 SERVING = re.compile(r"shadowradix: serving .* on http://(\S+):(\d+)")
 POLL = 0.2  # seconds between checks while starting and watching
-LINE_BYTES = 64 * 1024  # a longer line of a child's output is forwarded in pieces
-OUTPUT_ROOM = 4 * 1024 * 1024  # bytes of the children's lines waiting for our stderr
 
 
 class FleetError(RuntimeError):
@@ -115,89 +111,6 @@ def router_argv(args: argparse.Namespace, urls: list[str], port: int,
     return argv + shlex.split(args.router_args)
 
 
-@dataclass(slots=True)
-class _Gap:
-    """Where children's lines were dropped for want of room in the buffer: how many."""
-
-    lines: int = 1
-
-
-class Output:
-    """The fleet's stderr, written by a thread of its own straight to the file descriptor,
-    so that a reader that stalls or goes away (`| head`, a killed `tee`) never blocks the
-    fleet or stops it reading a child: the children's lines wait in a bounded buffer, and
-    those that do not fit or cannot be written are dropped and counted (`dropped`; where
-    lines did not fit, a note in their place says how many). The fleet's own messages
-    always wait their turn (they are few)."""
-
-    def __init__(self, fd: int, room: int = OUTPUT_ROOM) -> None:
-        self.fd = fd
-        self.room = room
-        self.dropped = 0
-        self._queue: deque[tuple[bytes, bool] | _Gap] = deque()  # (line, from a child)
-        self._waiting = 0  # bytes of children's lines queued
-        self._writing = False
-        self._changed = threading.Condition()
-        threading.Thread(target=self._write_all, name="fleet-output", daemon=True).start()
-
-    def child_line(self, line: bytes) -> None:
-        """Queue one line of a child's output, or drop it if the buffer is full; never
-        waits for the reader."""
-        with self._changed:
-            if self._waiting + len(line) <= self.room:
-                self._waiting += len(line)
-                self._queue.append((line, True))
-            elif self._queue and isinstance(gap := self._queue[-1], _Gap):
-                gap.lines += 1
-                self.dropped += 1
-            else:
-                self._queue.append(_Gap())
-                self.dropped += 1
-            self._changed.notify_all()
-
-    def say(self, message: str) -> None:
-        """Queue one of the fleet's own lines, `shadowradix: MESSAGE`, whatever the room."""
-        with self._changed:
-            self._queue.append((f"shadowradix: {message}\n".encode(errors="replace"), False))
-            self._changed.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds until everything queued is written (or dropped);
-        False if the reader still holds it up."""
-        with self._changed:
-            return self._changed.wait_for(lambda: not self._queue and not self._writing,
-                                          timeout)
-
-    def _write_all(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: bool(self._queue))
-                entry = self._queue.popleft()
-                self._writing = True
-            if isinstance(entry, _Gap):
-                line, from_child = (f"shadowradix: fleet: {entry.lines} lines of the "
-                                    "children's output dropped here (stderr was not read)\n"
-                                    ).encode(), False
-            else:
-                line, from_child = entry
-            written = self._write(line)
-            with self._changed:
-                if from_child:
-                    self._waiting -= len(line)
-                    self.dropped += not written
-                self._writing = False
-                self._changed.notify_all()
-
-    def _write(self, data: bytes) -> bool:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.fd, view):]
-            return True
-        except OSError:  # BrokenPipeError: nobody reads our stderr any more
-            return False
-
-
 @dataclass(eq=False)
 class Child:
     """One child process; a thread forwards its output to ours, each line prefixed with
@@ -221,19 +134,17 @@ class Child:
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 preexec_fn=partial(_die_with_parent, os.getpid()))
         child = cls(name, proc, output)
-        threading.Thread(target=child._forward, name=f"fleet-{name}", daemon=True).start()
+        assert proc.stdout is not None
+        threading.Thread(target=forward, name=f"fleet-{name}", daemon=True,
+                         args=(proc.stdout, f"[{name}] ".encode(), output,
+                               child._note_url)).start()
         return child
 
-    def _forward(self) -> None:
-        """Read the child's output to its end, always: a child blocked on a full pipe
-        would stop answering while it looks alive."""
-        assert self.proc.stdout is not None
-        prefix = f"[{self.name}] ".encode()
-        for line in iter(partial(self.proc.stdout.readline, LINE_BYTES), b""):
-            if self.url is None and (found := SERVING.search(line.decode(errors="replace"))):
-                self.url = _url(found.group(1).strip("[]"), int(found.group(2)))
-                self.listening.set()
-            self.output.child_line(prefix + line.rstrip(b"\n") + b"\n")
+    def _note_url(self, line: bytes) -> None:
+        """The URL a server prints once it listens, from the first line that has it."""
+        if self.url is None and (found := SERVING.search(line.decode(errors="replace"))):
+            self.url = http_url(found.group(1).strip("[]"), int(found.group(2)))
+            self.listening.set()
 
     def describe(self) -> str:
         return f"{self.name} (pid {self.proc.pid})"
@@ -287,7 +198,7 @@ class Fleet:
         use, or the fleet is told to stop meanwhile (the caller stops what did start)."""
         host = self.args.host
         wanted = {"--port": self.args.port, "--router-metrics-port": self.args.router_metrics_port}
-        _ports(host, wanted)  # before loading any model: a port in use fails at once
+        self._pick_ports(wanted)  # before loading any model: a port in use fails at once
         argv = [sys.executable, "-m", "shadowradix", "serve", *instance_argv(self.args)]
         for i in range(self.args.instances):
             self._check_stopping()
@@ -295,17 +206,23 @@ class Fleet:
         for child in self.instances:
             self._wait(child, child.listening.is_set, "print its URL")
             self._wait(child, partial(self._healthy, child), "be healthy")
-        self.port, self.metrics_port = _ports(host, wanted)  # again: still free?
+        self.port, self.metrics_port = self._pick_ports(wanted)  # again: still free?
         urls = [c.url for c in self.instances if c.url]
         self._check_stopping()
         self.router = Child.spawn("router", router_argv(self.args, urls, self.port,
                                                         self.metrics_port), self.output)
-        self.url = _url(host, self.port)
-        self.metrics_url = f"{_url(host, self.metrics_port)}/metrics"
+        self.url = http_url(host, self.port)
+        self.metrics_url = f"{http_url(host, self.metrics_port)}/metrics"
         self._wait(self.router, partial(self._router_ready, self.router),
                    f"listen on ports {self.port} and {self.metrics_port} and report "
                    f"{len(urls)} healthy instances")
         self._check_stopping()
+
+    def _pick_ports(self, wanted: dict[str, int]) -> list[int]:
+        try:
+            return pick_ports(self.args.host, wanted)
+        except PortError as e:
+            raise FleetError(str(e)) from None
 
     def _healthy(self, child: Child) -> bool:
         assert child.url is not None
@@ -319,7 +236,7 @@ class Fleet:
         ready = _get(f"{self.url}/readiness")
         if ready is None or ready.get("healthy_workers") != len(self.instances):
             return False
-        held = _listening(router.proc.pid)
+        held = listen_addresses(router.proc.pid)
         ip = ipaddress.ip_address(self.args.host)
         router.up = held is None or {(ip, self.port), (ip, self.metrics_port)} <= held
         return router.up
@@ -371,7 +288,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     that every child survived cleanly; 1 if the fleet could not start or lost a child;
     ValueError for bad flags."""
     _check(args)
-    output = Output(_stderr_fd())
+    output = Output(stderr_fd())
     try:
         return _run(Fleet(args, output), output)
     finally:
@@ -456,83 +373,6 @@ def _get(url: str) -> dict[str, Any] | None:
     except (OSError, ValueError):  # URLError and HTTPError are OSErrors
         return None
 
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _ports(host: str, wanted: dict[str, int]) -> list[int]:
-    """A port on `host` for each flag: the one it asks for, or a free one for 0, each
-    listened on (SO_REUSEADDR, as the router's: a closed connection's TIME_WAIT does not
-    count, a listener does) until all are picked, then released. FleetError naming the
-    flag if one cannot be listened on (in use, or --host not this machine's)."""
-    with ExitStack() as held:
-        ports = []
-        for flag, port in wanted.items():
-            s = held.enter_context(socket.socket(_family(host)))
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-                s.listen()
-            except OSError as e:
-                if not port:
-                    raise FleetError(f"--host {host}: cannot listen there: {e.strerror}") from None
-                if e.errno != errno.EADDRINUSE:
-                    raise FleetError(f"{flag} {port}: cannot listen on {host} port {port}: "
-                                     f"{e.strerror}") from None
-                raise FleetError(f"{flag} {port}: {host} port {port} is in use (another fleet "
-                                 "or server?); choose another, or 0 for a free one") from None
-            ports.append(int(s.getsockname()[1]))
-        return ports
-
-
-def _listening(pid: int) -> set[tuple[IPAddress, int]] | None:
-    """The (address, port) pairs process `pid` listens on, TCP, from /proc (empty once it
-    is gone), or None where the system cannot say (not Linux)."""
-    if sys.platform != "linux":
-        return None
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return set()
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
-    held = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                rows = [line.split() for line in f.readlines()[1:]]
-        except OSError:
-            continue
-        # sl local_address rem_address st ... inode; st 0A: LISTEN; the address in hex,
-        # 32-bit words each in the machine's byte order
-        for row in rows:
-            if row[3] == "0A" and row[9] in inodes:
-                addr, port = row[1].split(":")
-                raw = bytes.fromhex(addr)
-                if sys.byteorder == "little":
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                held.add((ipaddress.ip_address(raw), int(port, 16)))
-    return held
-
-
-def _stderr_fd() -> int:
-    if sys.stderr is None:  # started with fd 2 closed: it may be reused by any file since
-        return os.open(os.devnull, os.O_WRONLY)
-    try:
-        return sys.stderr.fileno()
-    except (OSError, ValueError):  # replaced by an object with no file (io.StringIO)
-        return 2
 
 
 def _kill_group(pgid: int) -> None:
