@@ -5,12 +5,12 @@ its own files, which are the objects `NS/POOL/XX/<32 hex digits>` (XX: the diges
 first two digits), their temporary files `<digest>.<random>.srtmp` beside them, and
 the shared size account `.shadowradix-bytes` (see account.py).
 
-Nothing below the root is reached through a symlink: each folder is opened from its
-parent's descriptor with O_NOFOLLOW, and each object too, so a symlink planted where a
-namespace, pool, fan folder or object belongs is a counted "symlink" fault (a read
-misses, a write fails, a listing or delete passes it by) and nothing lands, is read
-or is deleted outside the directory. The root itself may be a symlink (the operator's
-choice). Folders the store creates are 0700 and objects 0600, whatever the umask.
+Nothing below the root is reached through a symlink (see folders.py), so a symlink
+planted where a namespace, pool, fan folder or object belongs is a counted "symlink"
+fault (a read misses, a write fails, a listing or delete passes it by) and nothing
+lands, is read or is deleted outside the directory. The root itself may be a symlink
+(the operator's choice). Folders the store creates are 0700 and objects 0600, whatever
+the umask.
 
 Writes go to a temporary file and are renamed into place, so a reader never sees half
 an object; a crash leaves a temporary file, swept on a later open once it is older
@@ -34,27 +34,29 @@ import re
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from shadowradix.tiers.storage.account import Refused, SizeAccount, Tally
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
+from shadowradix.tiers.storage.folders import (
+    Folders,
+    Symlink,
+    mode_at,
+    open_object,
+    read_upto,
+    size_at,
+    subdir,
+    unlink_quietly,
+    unlink_sized,
+    write_new,
+)
 from shadowradix.tiers.storage.keys import DIGEST, NAME, split_key
 
 TMP_SUFFIX = ".srtmp"
 STALE_TMP_S = 600.0
 _FAN = re.compile(r"[0-9a-f]{2}")
 _TMP = re.compile(r"[0-9a-f]{32}\.[A-Za-z0-9_]+" + re.escape(TMP_SUFFIX))
-_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the root may be a symlink
-_DIR = _ROOT | os.O_NOFOLLOW
-_OBJECT = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO: no wait
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-T = TypeVar("T")
-
-
-class Symlink(OSError):
-    """A symlink below the root where the store keeps one of its folders or objects."""
 
 
 class FileBackend(StorageBackend):
@@ -81,7 +83,7 @@ class FileBackend(StorageBackend):
         self._lru = _Recency()  # this process's view of the objects, oldest first
         self._refused = False
         try:
-            with (_Dirs(self._root, create=True) as dirs,
+            with (Folders(self._root, create=True) as dirs,
                   self._locked(dirs, recount=False) as tally):
                 self._rescan(dirs, tally, sweep=True)
         except OSError:
@@ -116,9 +118,9 @@ class FileBackend(StorageBackend):
                 out.append(payload)
             return out
 
-    def _is_object(self, dirs: _Dirs, rel: str) -> bool:
+    def _is_object(self, dirs: Folders, rel: str) -> bool:
         try:
-            mode = dirs.at(rel, _mode_at)
+            mode = dirs.at(rel, mode_at)
         except OSError as e:
             self._count(e, None)
             return False
@@ -126,12 +128,12 @@ class FileBackend(StorageBackend):
             self.errors["symlink"] += 1
         return stat.S_ISREG(mode)
 
-    def _read(self, dirs: _Dirs, rel: str, limit: int) -> bytes | None:
+    def _read(self, dirs: Folders, rel: str, limit: int) -> bytes | None:
         """The object's bytes, at most `limit` (all if < 0); None if missing or unreadable."""
         try:
-            fd = dirs.at(rel, _open_object)
+            fd = dirs.at(rel, open_object)
             try:
-                return _read_upto(fd, limit)
+                return read_upto(fd, limit)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -147,20 +149,20 @@ class FileBackend(StorageBackend):
             staged = [self._stage(dirs, key, payload) for key, payload in items]
             return self._commit_all(dirs, staged)
 
-    def _stage(self, dirs: _Dirs, key: str, payload: bytes) -> tuple[str, str, int] | None:
+    def _stage(self, dirs: Folders, key: str, payload: bytes) -> tuple[str, str, int] | None:
         """(object, temporary file, size): the object written beside its place; None if
         that failed."""
         rel = _rel(key)
         blob = self.codec.encode(key, payload)
         tmp = f"{rel[-32:]}.{os.urandom(6).hex()}{TMP_SUFFIX}"  # <digest>.<random>.srtmp
         try:
-            dirs.at(rel, lambda fan, _: _write_new(fan, tmp, blob), create=True)
+            dirs.at(rel, lambda fan, _: write_new(fan, tmp, blob), create=True)
         except OSError as e:
             self._count(e, "write")
             return None
         return rel, tmp, len(blob)
 
-    def _commit_all(self, dirs: _Dirs, staged: list[tuple[str, str, int] | None]) -> list[bool]:
+    def _commit_all(self, dirs: Folders, staged: list[tuple[str, str, int] | None]) -> list[bool]:
         """Rename the staged objects into place, counted, then keep the cap (account
         locked). True exactly where an object was renamed into place."""
         done = [False] * len(staged)
@@ -178,20 +180,20 @@ class FileBackend(StorageBackend):
                     self._discard(dirs, *item)
         return done
 
-    def _discard(self, dirs: _Dirs, rel: str, tmp: str, _size: int) -> None:
+    def _discard(self, dirs: Folders, rel: str, tmp: str, _size: int) -> None:
         """A staged object not committed: its temporary file goes, counted "write"."""
         self.errors["write"] += 1
         with contextlib.suppress(OSError):
-            dirs.at(rel, lambda fan, _: _unlink_quietly(fan, tmp))
+            dirs.at(rel, lambda fan, _: unlink_quietly(fan, tmp))
 
-    def _commit(self, dirs: _Dirs, rel: str, tmp: str, size: int, tally: Tally) -> bool:
+    def _commit(self, dirs: Folders, rel: str, tmp: str, size: int, tally: Tally) -> bool:
         """Rename into place (account locked), counting the bytes it adds."""
         def rename(fan: int, name: str) -> int:
-            old = _size_at(fan, name)
+            old = size_at(fan, name)
             try:
                 os.replace(tmp, name, src_dir_fd=fan, dst_dir_fd=fan)
             except OSError:
-                _unlink_quietly(fan, tmp)
+                unlink_quietly(fan, tmp)
                 raise
             return old
 
@@ -210,7 +212,7 @@ class FileBackend(StorageBackend):
             raise ValueError(f"{namespace!r} is not a storage namespace")
         gone, failed = 0, 0
         try:
-            with _Dirs(self._root) as dirs, self._locked(dirs) as tally:
+            with Folders(self._root) as dirs, self._locked(dirs) as tally:
                 for fan, folder, entry in self._entries(dirs, namespace, temps=False):
                     self._lru.forget(folder + entry.name)
                     try:
@@ -230,7 +232,7 @@ class FileBackend(StorageBackend):
                                      f"could not be deleted; {gone} were")
         return gone
 
-    def _shrink(self, dirs: _Dirs, tally: Tally, cap: int) -> None:
+    def _shrink(self, dirs: Folders, tally: Tally, cap: int) -> None:
         """Delete least recently used objects until the store fits in `cap`. If the
         account holds more over the cap than this process knows of, rescan first (once):
         the others' objects, or a wrong count, not a reason to delete all of ours."""
@@ -245,7 +247,7 @@ class FileBackend(StorageBackend):
                 return
             tally.total -= self._unlink(dirs, rel)
 
-    def _drop(self, dirs: _Dirs, rel: str) -> None:
+    def _drop(self, dirs: Folders, rel: str) -> None:
         """Delete one bad object, keeping the account right."""
         self._lru.forget(rel)
         try:
@@ -254,16 +256,16 @@ class FileBackend(StorageBackend):
         except OSError:
             self.errors["cleanup"] += 1
 
-    def _unlink(self, dirs: _Dirs, rel: str) -> int:
+    def _unlink(self, dirs: Folders, rel: str) -> int:
         """Delete one object (account locked); the bytes freed (0 if already gone)."""
         try:
-            return dirs.at(rel, _unlink_sized)
+            return dirs.at(rel, unlink_sized)
         except OSError as e:
             self._count(e, "cleanup")
             return 0
 
     # ------------------------------------------------------------ listing
-    def _rescan(self, dirs: _Dirs, tally: Tally, sweep: bool) -> None:
+    def _rescan(self, dirs: Folders, tally: Tally, sweep: bool) -> None:
         """Set the LRU (by mtime) and the account from the objects on disk; with `sweep`,
         delete temporary files older than STALE_TMP_S (left by a crashed writer)."""
         found = []
@@ -275,13 +277,13 @@ class FileBackend(StorageBackend):
                 continue
             if entry.name.endswith(TMP_SUFFIX):
                 if st.st_mtime < stale:
-                    _unlink_quietly(fan, entry.name)
+                    unlink_quietly(fan, entry.name)
             else:
                 found.append((st.st_mtime_ns, folder + entry.name, st.st_size))
         self._lru = _Recency((rel, size) for _, rel, size in sorted(found))
         tally.total, tally.stale = self._lru.bytes, False
 
-    def _entries(self, dirs: _Dirs, namespace: str | None,
+    def _entries(self, dirs: Folders, namespace: str | None,
                  temps: bool) -> Iterator[tuple[int, str, os.DirEntry[str]]]:
         """(fan folder fd, "NS/POOL/XX/", entry) of this store's files (of `namespace`
         only, if given): regular files named NS/POOL/XX/<digest> (and, with `temps`, its
@@ -309,7 +311,7 @@ class FileBackend(StorageBackend):
                      and (e.is_dir(follow_symlinks=False) or (folder and e.is_symlink()))]
         for name in names:
             try:
-                fd = _subdir(parent, name, create=False)
+                fd = subdir(parent, name, create=False)
             except (FileNotFoundError, PermissionError):
                 continue
             except Symlink:
@@ -322,13 +324,13 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------ the account
     @contextlib.contextmanager
-    def _dirs(self, create: bool = False) -> Iterator[_Dirs | None]:
+    def _dirs(self, create: bool = False) -> Iterator[Folders | None]:
         """The store's folders for one call (closed after it); None if the store was
         refused or its root cannot be opened (the caller answers misses or failures)."""
         dirs = None
         if not self._refused:
             with contextlib.suppress(OSError):
-                dirs = _Dirs(self._root, create)
+                dirs = Folders(self._root, create)
         try:
             yield dirs
         finally:
@@ -336,7 +338,7 @@ class FileBackend(StorageBackend):
                 dirs.close()
 
     @contextlib.contextmanager
-    def _locked(self, dirs: _Dirs, recount: bool = True) -> Iterator[Tally]:
+    def _locked(self, dirs: Folders, recount: bool = True) -> Iterator[Tally]:
         """The account held, recounted from the disk first if it is stale (unless not
         `recount`: the caller rescans). A refused account makes the store unusable."""
         if self._refused:
@@ -354,7 +356,7 @@ class FileBackend(StorageBackend):
     def bytes_stored(self) -> int:
         """The store's bytes, every process's objects counted (from the shared account,
         recounted if stale). Raises OSError if the account cannot be used."""
-        with _Dirs(self._root) as dirs, self._locked(dirs) as tally:
+        with Folders(self._root) as dirs, self._locked(dirs) as tally:
             return tally.total
 
     def _count(self, e: OSError, kind: str | None) -> None:
@@ -391,168 +393,7 @@ class _Recency:
         return rel
 
 
-class _Dirs:
-    """The store's folders during one call: the root, and below it folders opened from
-    their parent's fd without following a symlink (Symlink instead). Namespace and pool
-    folders stay open until `close`; a fan folder is opened for each use (`at`)."""
-
-    def __init__(self, root: str, create: bool = False) -> None:
-        try:
-            self.root = os.open(root, _ROOT)
-        except FileNotFoundError:
-            if not create:
-                raise
-            _make_root(root)
-            self.root = os.open(root, _ROOT)
-        self._open: dict[str, int] = {}  # "NS" or "NS/POOL" -> fd
-
-    def at(self, rel: str, fn: Callable[[int, str], T], create: bool = False) -> T:
-        """fn(fd of object `rel`'s fan folder, the object's name), the folder made (0700,
-        with its parents) if missing and `create`. FileNotFoundError if missing, Symlink
-        if one is in the way."""
-        ns, pool, fan, name = rel.split("/")
-        parent = self._open.get(ns + "/" + pool)
-        if parent is None:
-            parent = self._cached(ns + "/" + pool, self._cached(ns, self.root, create), create)
-        fd = _subdir(parent, fan, create)
-        try:
-            return fn(fd, name)
-        finally:
-            os.close(fd)
-
-    def _cached(self, rel: str, parent: int, create: bool) -> int:
-        fd = self._open.get(rel)
-        if fd is None:
-            fd = self._open[rel] = _subdir(parent, os.path.basename(rel), create)
-        return fd
-
-    def close(self) -> None:
-        """Close every folder; idempotent."""
-        fds, self._open = [self.root, *self._open.values()], {}
-        self.root = -1
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
-
-    def __enter__(self) -> _Dirs:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def _rel(key: str) -> str:
     """"NS/POOL/XX/<digest>": where key's object lives below the root."""
     ns, pool, digest = split_key(key)
     return f"{ns}/{pool}/{digest[:2]}/{digest}"
-
-
-def _subdir(parent: int, name: str, create: bool) -> int:
-    """Folder `name` of `parent`, opened without following a symlink; with `create`,
-    made 0700 if missing. FileNotFoundError if missing; Symlink if a symlink is there."""
-    try:
-        return os.open(name, _DIR, dir_fd=parent)
-    except FileNotFoundError:
-        if not create:
-            raise
-    except OSError as e:
-        if e.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent, name):
-            raise Symlink(errno.ELOOP, "a symlink where the store keeps a folder",
-                          name) from None
-        raise
-    with contextlib.suppress(FileExistsError):
-        _mkdir(name, parent)
-    return _subdir(parent, name, create=False)
-
-
-def _make_root(root: str) -> None:
-    """Make the root and its missing parents, 0700."""
-    missing = []
-    path = os.path.abspath(root)
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for path in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            _mkdir(path, None)
-
-
-def _mkdir(name: str, parent: int | None) -> None:
-    """Make folder `name` 0700 whatever the umask (its mask applies to mkdir's mode)."""
-    os.mkdir(name, 0o700, dir_fd=parent)
-    fd = os.open(name, _DIR, dir_fd=parent)
-    try:
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
-
-
-def _is_link(parent: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _mode_at(fan: int, name: str) -> int:
-    return os.stat(name, dir_fd=fan, follow_symlinks=False).st_mode
-
-
-def _open_object(fan: int, name: str) -> int:
-    try:
-        return os.open(name, _OBJECT, dir_fd=fan)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise Symlink(errno.ELOOP, "a symlink where the store keeps an object",
-                          name) from None
-        raise
-
-
-def _read_upto(fd: int, limit: int) -> bytes:
-    """`fd`'s bytes, at most `limit` (to its end if limit < 0), however short each read."""
-    if limit < 0:
-        limit = os.fstat(fd).st_size + 1  # an object never grows in place
-    parts = []
-    while limit > 0:
-        part = os.read(fd, limit)
-        if not part:
-            break
-        parts.append(part)
-        limit -= len(part)
-    return b"".join(parts)
-
-
-def _write_new(fan: int, name: str, blob: bytes) -> None:
-    """Write `blob` to a new file `name` (0600) of folder `fan`; nothing is left on failure."""
-    fd = os.open(name, _NEW, 0o600, dir_fd=fan)
-    try:
-        try:
-            view = memoryview(blob)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-    except OSError:
-        _unlink_quietly(fan, name)
-        raise
-
-
-def _size_at(fan: int, name: str) -> int:
-    """Bytes of the regular file `name` (what the account counts for it); 0 if none."""
-    try:
-        st = os.stat(name, dir_fd=fan, follow_symlinks=False)
-    except FileNotFoundError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
-
-
-def _unlink_sized(fan: int, name: str) -> int:
-    """Delete `name`; the bytes the account counted for it."""
-    size = _size_at(fan, name)
-    os.unlink(name, dir_fd=fan)
-    return size
-
-
-def _unlink_quietly(fan: int, name: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(name, dir_fd=fan)
