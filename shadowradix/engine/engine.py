@@ -41,6 +41,8 @@ from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
 from shadowradix.tree.policy import named_policy
 
+READ_POLL_S = 0.01  # a step with only storage reads to wait for waits this long at most
+
 
 class Engine:
     """Runs a DeepSeek-V4 model with every KV form in ShadowRadix pools.
@@ -268,6 +270,9 @@ class Engine:
                 return
         if not chunks:
             if sched.waiting and not sched.running and not sched.preempted:
+                if sched.reads_pending():  # storage reads in flight: nothing else can run
+                    sched.wait_for_reads(READ_POLL_S)
+                    return
                 raise RuntimeError("no request can run: the pools are pinned by locks")
             return
         snaps = {c.request: Snapshot.take(c.request, c.end == len(c.request.ids))

@@ -10,13 +10,19 @@ the cache still holds. A preempted request never waits behind a newer one.
 
 A request whose pages are still being copied back from the host sits out until its copy
 is done (unless nothing else can run): its load-back overlaps the others' compute.
+
+A request whose storage read is in flight keeps its place in the queue and is passed over
+(those behind it are admitted) until the read is done, and admission never waits on a
+read: when nothing else can run the engine waits briefly (`wait_for_reads`) and steps
+again. A read that takes longer than the storage tier's `read_wait_s` is given up on
+(counted "read_late"), and its request computes what it would have read.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +58,7 @@ class Scheduler:
         self.preemptions = 0
         self.deferred = 0  # request-steps sat out while their copies ran
         self._preempted_last_step = False
+        self._reading: dict[Request, float] = {}  # reads in flight: when each began
 
     @property
     def preempted(self) -> bool:
@@ -68,9 +75,10 @@ class Scheduler:
     def admit(self) -> None:
         """Admit waiting requests in arrival order while this step's token budget has room
         for them; stop at the first that does not fit. One whose storage read is still in
-        flight while others run keeps its place, and those behind it are considered (a slow
-        read holds back no one but its own request). After a step that preempted, admit
-        nothing new until a step runs without preempting."""
+        flight keeps its place, and those behind it are considered (a slow read holds back
+        no one but its own request, and that one at most `read_wait_s`); this never waits
+        on a read. After a step that preempted, admit nothing new until a step runs without
+        preempting."""
         if self._preempted_last_step and self.running:
             return
         manager = self.manager
@@ -125,24 +133,55 @@ class Scheduler:
 
     def _prefetched(self, req: Request, tokens: np.ndarray) -> Fetched | None:
         """The request's storage read: started on first sight (past what the device and
-        host hold), _PENDING while in flight and others can run, then its result."""
-        if self.manager.storage is None:
+        host hold), _PENDING while in flight, then its result. Never waits: a read in
+        flight past the tier's `read_wait_s` is given up on (a miss, counted once)."""
+        storage = self.manager.storage
+        if storage is None:
             return None
         if req.prefetch is None:
             req.prefetch = self.manager.prefetch(tokens)
             if req.prefetch is None:
                 req.prefetch = _USED
-        if not req.prefetch.done() and self.running:
-            return _PENDING
-        # Waits if need be (an interrupt of this wait is this thread's own, and propagates);
-        # whatever the read itself raised on the storage thread, BaseException included, is
-        # a miss, once: the next admission reads anew, nothing re-raises it every step.
-        if req.prefetch.exception() is not None:
+            else:
+                self._reading[req] = time.monotonic()
+        read = req.prefetch
+        if not read.done():
+            now = time.monotonic()
+            if now - self._reading.setdefault(req, now) < storage.read_wait_s:
+                return _PENDING
+            read.cancel()  # not started yet (queued behind others): never runs
+            self._reading.pop(req, None)
             req.prefetch = _USED
-            self.manager.storage.faults["read_failed"] += 1
+            storage.faults["read_late"] += 1
             return None
-        fetched = req.prefetch.result()
+        self._reading.pop(req, None)
+        if read.cancelled():  # the tier closed before it ran
+            req.prefetch = _USED
+            return None
+        # Whatever the read raised on the storage thread, BaseException included, is a
+        # miss, once: the next admission reads anew, nothing re-raises it every step.
+        if read.exception() is not None:
+            req.prefetch = _USED
+            storage.faults["read_failed"] += 1
+            return None
+        fetched = read.result()
         return fetched if fetched.pages else None
+
+    def reads_pending(self) -> bool:
+        """Whether a waiting request's storage read is in flight."""
+        return any(not r.done() for r in self._pending_reads())
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Wait until a waiting request's storage read is done, or `timeout` seconds (for
+        a step that found nothing to run while reads were in flight: no busy loop, and a
+        new request is picked up within `timeout`). Changes nothing."""
+        pending = self._pending_reads()
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+
+    def _pending_reads(self) -> list[Future[Fetched]]:
+        return [r.prefetch for r in self.waiting
+                if r.prefetch is not None and r.prefetch is not _USED and not r.prefetch.done()]
 
     # --------------------------------------------------------------- plan
     def ready(self, req: Request) -> bool:
@@ -209,6 +248,7 @@ class Scheduler:
                 self.running.remove(req)
             if req not in self.waiting:
                 self.waiting.appendleft(req)
+            self._reading.pop(req, None)
             req.computed, req.prefetch, req.landed = 0, None, 0
 
     # ------------------------------------------------------------- finish
@@ -225,6 +265,8 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
+        if self._reading.pop(req, None) is not None and req.prefetch is not None:
+            req.prefetch.cancel()  # a read not started yet is not worth running
         if req.lease is not None:
             try:
                 self.manager.abort(req.lease)

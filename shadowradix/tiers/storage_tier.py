@@ -7,25 +7,41 @@ from storage at page boundary Q only under the same match rule as the tree, and
 only if every pool's object for every page it loads arrived intact; anything else
 (missing, corrupt, unreachable) is a miss and the pages are recomputed.
 
-Reads and writes run on one storage thread: `prefetch` returns a Future, and
-`save` copies the pages' bytes out before it returns (so the pages may be reused at
-once) and leaves the store call to the thread. A slow store delays only the
-request that waits for its read, never the running batch.
+Reads and writes run on two threads of their own, so a read never queues behind a slow
+write: `prefetch` returns a Future (run on the read thread), and `save` copies the pages'
+bytes out before it returns (so the pages may be reused at once) and leaves the store call
+to the write thread. A read (its probe and its fetch together) and a write each run under
+the backend's call deadline where it has one (`deadline_s`, see storage/deadline.py), and
+the scheduler waits for a request's read at most `read_wait_s`: a slow store delays only
+the request that waits for its read, and that one boundedly, never the running batch nor
+a request that needs no read. Backends built for concurrent calls (Redis, Redis Cluster:
+redis-py's clients are thread-safe) serve both threads at once; any other (the file
+backend's LRU and size account are not) gets one call at a time, under a lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from shadowradix.tiers.prefix_cache import PrefixCache
+from shadowradix.tiers.storage import deadline
 from shadowradix.tiers.storage.backend import StorageBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
+from shadowradix.tiers.storage.redis import RedisBackend
+from shadowradix.tiers.storage.redis_cluster import RedisClusterBackend
+
+T = TypeVar("T")
+CONCURRENT = (RedisBackend, RedisClusterBackend)  # safe to call from both threads at once
+READ_SLACK_S = 0.5  # scheduling slack past the backend's deadline before a read is given up
+NO_DEADLINE_WAIT_S = 10.0  # how long a read may keep its request waiting without a deadline
 
 
 @dataclass(frozen=True)
@@ -46,9 +62,12 @@ class Fetched:
 
 class StorageTier:
     def __init__(self, backend: StorageBackend, cache: PrefixCache,
-                 model_fingerprint: str) -> None:
+                 model_fingerprint: str, read_wait_s: float | None = None) -> None:
         """`model_fingerprint` names the model's config and weights
-        (shadowradix.model.fingerprint.model_fingerprint); ValueError if empty."""
+        (shadowradix.model.fingerprint.model_fingerprint); ValueError if empty.
+        `read_wait_s`: how long a request waits for its read before it computes instead
+        (default: the backend's `deadline_s` plus READ_SLACK_S, or NO_DEADLINE_WAIT_S for
+        a backend without one)."""
         self.backend = backend
         self.names = cache.layout.pool_names
         self.page_size = cache.layout.page_size
@@ -59,8 +78,16 @@ class StorageTier:
         self.bytes_read = 0
         self.bytes_written = 0
         self.faults: Counter[str] = Counter()  # faults seen here, not in the backend
-        # The backend is only ever called from this one thread, in submission order.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage")
+        self.deadline_s: float | None = getattr(backend, "deadline_s", None)
+        if read_wait_s is not None:
+            self.read_wait_s = deadline.check_deadline(read_wait_s, "read_wait_s")
+        else:
+            self.read_wait_s = (NO_DEADLINE_WAIT_S if self.deadline_s is None
+                                else self.deadline_s + READ_SLACK_S)
+        # Reads and writes each in submission order, on their own thread.
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage-read")
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage-write")
+        self._serial = None if isinstance(backend, CONCURRENT) else threading.Lock()
         self._stream: Any = None  # CUDA pools: the copy stream of write-through (lazily)
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
@@ -70,8 +97,16 @@ class StorageTier:
     # -------------------------------------------------------------- reads
     def prefetch(self, tokens: np.ndarray, table: np.ndarray, limit: int) -> Future[Fetched]:
         """Start fetching what lies past `table` (the pages [0, table.shape[1]) the tiers
-        above hold: >= 0 where present) up to page `limit`; see `fetch`."""
-        return self._thread.submit(self.fetch, tokens.copy(), table.copy(), limit)
+        above hold: >= 0 where present) up to page `limit`; see `fetch`. It runs on the
+        read thread, within one call deadline."""
+        return self._reads.submit(self._call, self.fetch, tokens.copy(), table.copy(), limit)
+
+    def _call(self, call: Callable[..., T], *args: Any, bounded: bool = True) -> T:
+        """`call(*args)` on a storage thread: within the backend's deadline (`bounded`),
+        one at a time for a backend not built for concurrent calls."""
+        with deadline.within(self.deadline_s if bounded else None), \
+                self._serial or nullcontext():
+            return call(*args)
 
     def fetch(self, tokens: np.ndarray, table: np.ndarray, limit: int) -> Fetched:  # thread
         """The deepest boundary Q <= limit reachable with `table` plus stored pages
@@ -128,7 +163,7 @@ class StorageTier:
         hand the pages on at once: CPU pools are copied now; CUDA pools go through a copy
         stream into pinned buffers, and the compute stream waits for that copy on the
         device (no host synchronisation on the scheduler's thread). The store call, and
-        on CUDA the wait for the copy, run on the storage thread."""
+        on CUDA the wait for the copy, run on the write thread."""
         if hi <= lo:
             return
         hashes = page_hashes(tokens[:hi * self.page_size], self.page_size)
@@ -138,9 +173,9 @@ class StorageTier:
                    for k in range(len(keys))]
         if sources and sources[0].is_cuda:
             staged, copied = self._stage(sources)
-            self._thread.submit(self._store_staged, keys, staged, copied)
+            self._writes.submit(self._store_staged, keys, staged, copied)
         else:
-            self._thread.submit(self._store, list(zip(keys, map(_payload, sources),
+            self._writes.submit(self._store, list(zip(keys, map(_payload, sources),
                                                       strict=True)))
 
     def _stage(self, sources: list[Any]) -> tuple[list[Any], Any]:
@@ -165,21 +200,25 @@ class StorageTier:
         return staged, copied
 
     def _store_staged(self, keys: list[str], staged: list[Any], copied: Any) -> None:
-        copied.synchronize()  # on the storage thread: the scheduler never waits for it
+        copied.synchronize()  # on the write thread: the scheduler never waits for it
         self._store(list(zip(keys, map(_payload, staged), strict=True)))
 
     def _store(self, items: list[tuple[str, bytes]]) -> None:
-        ok = self.backend.batch_set(items)
+        ok = self._call(self.backend.batch_set, items)
         self.bytes_written += sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
 
     def drain(self) -> None:
         """Wait until every write and read submitted so far is done."""
-        self._thread.submit(lambda: None).result()
+        writes, reads = self._writes.submit(_nothing), self._reads.submit(_nothing)
+        writes.result()
+        reads.result()
 
     def clear(self) -> int:
-        """Delete this namespace's objects from the store (after the writes in flight).
-        Raises StorageUnavailable (a RuntimeError) if the store did not finish."""
-        return self._thread.submit(self.backend.clear, self.namespace).result()
+        """Delete this namespace's objects from the store (after the writes in flight;
+        no deadline over the whole deletion, each store command has its own). Raises
+        StorageUnavailable (a RuntimeError) if the store did not finish."""
+        return self._writes.submit(self._call, self.backend.clear, self.namespace,
+                                   bounded=False).result()
 
     @property
     def error_counts(self) -> Counter[str]:
@@ -191,9 +230,15 @@ class StorageTier:
         return sum(self.backend.errors.values()) + sum(self.faults.values())
 
     def close(self) -> None:
-        """Wait for the prefetches in flight, then close the backend."""
-        self._thread.shutdown(wait=True)
+        """Cancel the reads not started, wait for the read in flight (within its deadline)
+        and for every write submitted, then close the backend."""
+        self._reads.shutdown(wait=True, cancel_futures=True)
+        self._writes.shutdown(wait=True)
         self.backend.close()
+
+
+def _nothing() -> None:
+    """A marker submitted behind the calls in flight (drain)."""
 
 
 def _payload(page: Any) -> bytes:

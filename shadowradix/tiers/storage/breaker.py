@@ -5,10 +5,14 @@ after another on the storage thread, and a request queued behind them waits for 
 them. With one, the first failure costs one bounded wait; the calls after it answer at
 once (misses, failed writes) until the back-off ends, when one call probes the store
 again. Each failed probe doubles the back-off, up to `max_backoff_s`; a success resets it.
+A call that fails while the breaker is already open (it began before another call opened
+it: the storage tier's read and write threads call at once) leaves the back-off as it is.
+Safe to use from several threads.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,6 +28,7 @@ class CircuitBreaker:
         self._clock = clock
         self._wait = backoff_s
         self._open_until: float | None = None  # None: closed, calls go through
+        self._lock = threading.Lock()
 
     def allow(self) -> bool:
         """Whether a call may go to the store now (closed, or the back-off is over and
@@ -31,15 +36,22 @@ class CircuitBreaker:
         return self._open_until is None or self._clock() >= self._open_until
 
     def failed(self) -> None:
-        """The store timed out or was unreachable: skip it for the next back-off."""
-        if self._open_until is not None:  # a failed probe: back off longer
-            self._wait = min(self._wait * 2, self.max_backoff_s)
-        self._open_until = self._clock() + self._wait
+        """The store timed out or was unreachable: skip it for the next back-off (a probe
+        that failed: twice the last one; a call that failed while the breaker was open
+        already: no change)."""
+        with self._lock:
+            now = self._clock()
+            if self._open_until is not None:
+                if now < self._open_until:
+                    return  # another call opened it meanwhile: counted once
+                self._wait = min(self._wait * 2, self.max_backoff_s)  # a failed probe
+            self._open_until = now + self._wait
 
     def succeeded(self) -> None:
         """The store answered: close the breaker and reset the back-off."""
-        self._open_until = None
-        self._wait = self.backoff_s
+        with self._lock:
+            self._open_until = None
+            self._wait = self.backoff_s
 
     @property
     def wait_s(self) -> float:

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 from shadowradix.tiers.storage import replies
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.deadline import check_deadline
 from shadowradix.tiers.storage.redis_common import (
     Guard,
     client_options,
@@ -55,17 +56,20 @@ class RedisBackend(StorageBackend):
     make no sense, is only logged and counted (it may come up later)."""
 
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
-                 backoff_s: float = 5.0, secret: bytes | str | None = None) -> None:
+                 backoff_s: float = 5.0, secret: bytes | str | None = None,
+                 deadline_s: float | None = None) -> None:
         super().__init__(secret)
         import redis
 
         check_url_options(url)
         self._errors_types = store_errors()
         self.ttl_s = ttl_s
+        self.deadline_s = check_deadline(timeout_s if deadline_s is None else deadline_s)
         self.breaker = CircuitBreaker(backoff_s)
         self._guarded = Guard(self.errors, self.breaker)
         try:
-            self._client: Any = redis.Redis.from_url(url, **client_options(timeout_s))
+            self._client: Any = redis.Redis.from_url(url, **client_options(
+                timeout_s, self.deadline_s, tls=url.startswith("rediss://")))
         except ValueError:  # its message may quote a part of the password
             raise ValueError(f"{redact(url)}: redis-py cannot read this URL; percent-encode "
                              f"'/', '?', '#', '@' and ':' in a user or password "

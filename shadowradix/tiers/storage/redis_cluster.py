@@ -50,6 +50,7 @@ from urllib.parse import unquote
 from shadowradix.tiers.storage import replies
 from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.breaker import CircuitBreaker
+from shadowradix.tiers.storage.deadline import carried, check_deadline
 from shadowradix.tiers.storage.redis_common import (
     Guard,
     client_options,
@@ -168,7 +169,7 @@ class RedisClusterBackend(StorageBackend):
 
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
                  backoff_s: float = 5.0, refresh_s: float = 1.0,
-                 secret: bytes | str | None = None) -> None:
+                 secret: bytes | str | None = None, deadline_s: float | None = None) -> None:
         super().__init__(secret)
         seeds, username, password = parse_cluster_url(url)
         self.url = redact(url)
@@ -176,8 +177,10 @@ class RedisClusterBackend(StorageBackend):
         self.backoff_s = backoff_s
         self.refresh_s = refresh_s
         self._seeds = seeds
+        self.deadline_s = check_deadline(timeout_s if deadline_s is None else deadline_s)
         self._options = {"username": username, "password": password,
-                         "require_full_coverage": False, **client_options(timeout_s)}
+                         "require_full_coverage": False,
+                         **client_options(timeout_s, self.deadline_s, seed=seeds[0])}
         self._faults = store_errors()
         self._guards: dict[str, Guard] = {}  # node name -> its breaker and counting
         self._cluster: Any = None  # redis.cluster.RedisCluster once a seed has answered
@@ -284,7 +287,7 @@ class RedisClusterBackend(StorageBackend):
                 pending[name] = None  # its breaker is open: a miss at once
             else:  # one master: no thread hop
                 pending[name] = (_now(pipeline, node, slots) if len(routes) == 1
-                                 else self._workers().submit(pipeline, node, slots))
+                                 else self._workers().submit(carried(pipeline), node, slots))
         for name, fut in pending.items():
             if fut is None:
                 self.errors["skipped"] += 1

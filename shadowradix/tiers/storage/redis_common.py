@@ -23,14 +23,28 @@ log = logging.getLogger("shadowradix.storage")
 T = TypeVar("T")
 
 
-def client_options(timeout_s: float) -> dict[str, Any]:
-    """redis-py options for one bounded wait per call: socket timeouts and no retries
-    inside the client (the breaker decides when to try again)."""
+def client_options(timeout_s: float, deadline_s: float | None = None, *, tls: bool = False,
+                   seed: tuple[str, int] | None = None) -> dict[str, Any]:
+    """redis-py options that bound every call: socket timeouts (each wait for bytes), a
+    deadline over each whole call from its connection's checkout to its last reply
+    (`deadline_s`, by default `timeout_s`; see deadline.py), and no retries inside the
+    client (the breaker decides when to try again). `tls`: the URL is rediss://. `seed`:
+    for RedisCluster, one seed (host, port), passed as its `url`: only then does redis-py
+    build each node's pool from these options (otherwise it hands them to redis.Redis,
+    which takes no connection class). ValueError for a deadline that is not > 0."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-            "retry": Retry(NoBackoff(), 0)}
+    from shadowradix.tiers.storage.deadline import check_deadline, connection_class
+
+    deadline = check_deadline(timeout_s if deadline_s is None else deadline_s)
+    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                               "retry": Retry(NoBackoff(), 0),
+                               "connection_class": connection_class(deadline, tls)}
+    if seed is not None:
+        host, port = seed
+        options["url"] = f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
+    return options
 
 
 def unreachable_errors() -> tuple[type[BaseException], ...]:

@@ -1,0 +1,163 @@
+"""A deadline for a whole call to a Redis-protocol store, not for each wait on its socket.
+
+redis-py's socket timeout bounds each recv: a server (or a proxy) that trickles its reply,
+1 KiB every 0.4 s, never trips it, and one call lasts as long as the reply takes. Here a
+call gets a deadline when its connection leaves the pool (redis-py calls `connect()` on
+every checkout): `budget_s` from then, or the calling thread's `within()` deadline if that
+is sooner. Every socket operation of the call (the connect, the handshake, each send and
+each recv) waits at most what is left; once nothing is left the next one raises
+socket.timeout at once:
+
+    checkout --connect/handshake--send--recv--recv--recv--|deadline: socket.timeout
+             <---------------------- budget_s ------------>
+
+redis-py answers a socket timeout by disconnecting that connection (so half a reply never
+stays in the pool) and raising redis.TimeoutError, which the breaker-guarded call counts
+as "unreachable" and which opens the breaker. Works with any parser (hiredis or not) and
+with TLS, since it wraps whatever socket the connection class made.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_local = threading.local()
+
+
+def check_deadline(seconds: float, name: str = "deadline_s") -> float:
+    """`seconds` as a float; ValueError (naming `name`) unless it is a finite number > 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+            or not 0 < seconds < float("inf"):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
+def current() -> float | None:
+    """This thread's deadline (time.monotonic()), or None."""
+    return getattr(_local, "until", None)
+
+
+@contextmanager
+def within(seconds: float | None) -> Iterator[None]:
+    """Calls to the store made by this thread in the block end within `seconds` from now
+    (or by an enclosing block's deadline, if sooner); None: no deadline of its own."""
+    outer = current()
+    until = outer if seconds is None else time.monotonic() + seconds
+    if outer is not None and until is not None:
+        until = min(until, outer)
+    _local.until = until
+    try:
+        yield
+    finally:
+        _local.until = outer
+
+
+def carried(call: Callable[..., T]) -> Callable[..., T]:
+    """`call`, run under the deadline of the thread that wraps it (for a worker thread)."""
+    until = current()
+
+    def run(*args: Any) -> T:
+        outer = current()
+        _local.until = until
+        try:
+            return call(*args)
+        finally:
+            _local.until = outer
+    return run
+
+
+class _BoundedSocket:
+    """A connection's socket whose every blocking operation waits at most until the
+    connection's deadline; everything else is the socket's own."""
+
+    def __init__(self, sock: Any, left: Callable[[], float | None]) -> None:
+        self._sock = sock
+        self._left = left
+        self._timeout: float | None = sock.gettimeout()  # what redis-py asked for
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)
+
+    def _arm(self) -> None:
+        if self._timeout == 0:
+            return  # a non-blocking poll never waits
+        left = self._left()
+        if left is None:
+            self._sock.settimeout(self._timeout)
+            return
+        if left <= 0:
+            raise TimeoutError("the storage call's deadline has passed")  # socket.timeout
+        self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+
+    def recv(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def send(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.send(*args)
+
+    def sendall(self, *args: Any) -> Any:
+        self._arm()  # a timeout bounds the whole sendall (Python >= 3.5), not each send
+        return self._sock.sendall(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+@functools.cache
+def connection_class(budget_s: float, tls: bool = False) -> type:
+    """A redis-py connection class (TCP, or TLS for rediss://) whose every call, from
+    checkout to its last reply, ends within `budget_s` (see the module docstring)."""
+    import redis
+
+    base: Any = redis.SSLConnection if tls else redis.Connection
+    budget = check_deadline(budget_s)
+
+    class Bounded(base):
+        _until: float | None = None
+        socket_connect_timeout: float | None  # the base's property (for mypy only)
+
+        def connect(self, *args: Any, **kwargs: Any) -> None:
+            # The pool calls this on every checkout, connected or not: a call starts here.
+            until = time.monotonic() + budget
+            outer = current()
+            self._until = until if outer is None else min(until, outer)
+            super().connect(*args, **kwargs)
+
+        def time_left(self) -> float | None:
+            return None if self._until is None else self._until - time.monotonic()
+
+        def _connect(self) -> Any:
+            left = self.time_left()
+            if left is not None and left <= 0:
+                raise TimeoutError("the storage call's deadline has passed")  # socket.timeout
+            configured = self.socket_connect_timeout
+            if left is not None:
+                self.socket_connect_timeout = left if configured is None else min(
+                    left, configured)
+            try:
+                sock = super()._connect()
+            finally:
+                self.socket_connect_timeout = configured
+            return _BoundedSocket(sock, self.time_left)
+
+    Bounded.__name__ = Bounded.__qualname__ = f"Bounded{base.__name__}"
+    return Bounded
