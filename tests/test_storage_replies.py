@@ -322,3 +322,30 @@ def test_an_engine_over_a_server_with_wrong_replies_stays_exact(fake):
     eng.storage.drain()
     assert eng.stats()["storage_errors"] > 0
     eng.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+def test_a_connection_left_a_reply_behind_is_dropped(fake, kind):
+    """A server that answers one command twice leaves a reply in the socket: each later
+    call would read the one before's answer (a wrong key, every time). The backend drops
+    a connection that read a wrong key or a bad reply, so the call after it is right."""
+    store = open_backend(kind, fake)
+    keys = [object_key("ns", "p", bytes([i]) * 16) for i in range(3)]
+    blobs = {cluster_key(k).encode() if kind == "cluster" else k.encode():
+             bulk(store.codec.encode(k, b"page %d" % i)) for i, k in enumerate(keys)}
+    sent = []
+
+    def answer(args: list[bytes]) -> bytes:
+        sent.append(args[1])
+        reply = blobs[args[1]]
+        return reply * 2 if len(sent) == 1 else reply  # the first one twice
+
+    fake.answer = answer
+    try:
+        assert store.batch_get(keys[:1], [6]) == [b"page 0"]
+        assert store.batch_get(keys[1:2], [6]) == [None]  # read the extra reply: wrong key
+        assert store.errors["wrong_key"] == 1
+        assert store.batch_get(keys[2:3], [6]) == [b"page 2"]  # a fresh connection
+        assert store.batch_get(keys[1:2], [6]) == [b"page 1"]
+    finally:
+        store.close()

@@ -1,9 +1,10 @@
 """`redis://host:port/db`: Redis or Valkey through redis-py (hiredis parser when present).
 
-Batches are pipelined (one round trip per call). A short socket timeout bounds each
-call, and a circuit breaker keeps a dead or stalled server from costing one timeout per
-call: after a timeout every call answers at once (misses, failed writes, counted as
-"skipped") until the back-off ends and one call probes the server again.
+Batches are pipelined (one round trip per call). A deadline bounds each whole call
+(deadline.py: however slowly a server trickles its reply), and a circuit breaker keeps a
+dead or stalled server from costing one deadline per call: after one, every call answers
+at once (misses, failed writes, counted as "skipped") until the back-off ends and one
+call probes the server again.
 
 Replies are checked against what each command answers (replies.py): one of the wrong
 shape or type is a counted miss ("bad_reply"), never an exception. URL options that
@@ -66,7 +67,7 @@ class RedisBackend(StorageBackend):
         self.ttl_s = ttl_s
         self.deadline_s = check_deadline(timeout_s if deadline_s is None else deadline_s)
         self.breaker = CircuitBreaker(backoff_s)
-        self._guarded = Guard(self.errors, self.breaker)
+        self._guarded = Guard(self.errors, self.breaker, reset=self._drop_connections)
         try:
             self._client: Any = redis.Redis.from_url(url, **client_options(
                 timeout_s, self.deadline_s, tls=url.startswith("rediss://")))
@@ -109,6 +110,11 @@ class RedisBackend(StorageBackend):
         except Exception as e:  # it answered, with nothing redis-py could read
             self._guarded.bad_reply(e)
 
+    def _drop_connections(self) -> None:
+        """Close the idle connections (the one that read a bad reply is among them: its
+        call has returned it); the next call opens a fresh one."""
+        self._client.connection_pool.disconnect(inuse_connections=False)
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
@@ -136,9 +142,13 @@ class RedisBackend(StorageBackend):
                         for r in replies.values(pipe.execute(), len(keys))]
         miss: list[bytes | None] = [None] * len(keys)
         blobs = self._guarded(call, miss)
-        return [None if blob is None else self.verified(k, blob, None if sizes is None
-                                                        else sizes[i])
-                for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
+        wrong = self.errors["wrong_key"]
+        out = [None if blob is None else self.verified(k, blob, None if sizes is None
+                                                       else sizes[i])
+               for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
+        if self.errors["wrong_key"] > wrong:  # a swapped object, or a connection a reply
+            self._drop_connections()          # behind (it would never catch up)
+        return out
 
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         if not items:

@@ -19,7 +19,8 @@ Load still spreads: page hashes are uniform, so pages spread over all slots. The
 itself still carries the plain key (`ns/pool/hash`) in its header, which is what a read
 checks: a blob copied to another key's place is a miss, as with every backend.
 
-Faults. Every call is bounded by the socket timeout (no retries inside redis-py) and each
+Faults. Every call has a deadline over the whole call (deadline.py; the workers of one
+call run under its deadline; no retries inside redis-py) and each
 master has its own circuit breaker (see breaker.py): a master that is down, stalled or
 failing over costs one bounded wait, then its keys miss at once ("skipped") while the
 other masters keep serving theirs. A refusal (MOVED, ASK, CLUSTERDOWN, TRYAGAIN) is a
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -188,6 +190,9 @@ class RedisClusterBackend(StorageBackend):
         self._stale: str | None = None  # a node that failed or refused: re-read the map
         self._refreshed_at = time.monotonic()
         self._pool: ThreadPoolExecutor | None = None
+        # The storage tier reads and writes from two threads: the client, the slot map's
+        # refresh, the guards and the workers are made under one lock.
+        self._lock = threading.RLock()
         self._connect(at_open=True)
 
     # ------------------------------------------------------------ topology
@@ -222,6 +227,10 @@ class RedisClusterBackend(StorageBackend):
     def _ready(self) -> Any:
         """The client with a current slot map, or None (counted "skipped") when no seed
         answered lately. Re-reads the map after a fault, at most once per refresh_s."""
+        with self._lock:
+            return self._current()
+
+    def _current(self) -> Any:
         if self._cluster is None:
             if not self._topology.allow() or not self._connect():
                 self.errors["skipped"] += 1
@@ -238,9 +247,17 @@ class RedisClusterBackend(StorageBackend):
         return self._cluster
 
     def _guard(self, name: str) -> Guard:
-        if name not in self._guards:
-            self._guards[name] = Guard(self.errors, CircuitBreaker(self.backoff_s), name)
-        return self._guards[name]
+        with self._lock:
+            if name not in self._guards:
+                self._guards[name] = Guard(self.errors, CircuitBreaker(self.backoff_s), name,
+                                           reset=partial(self._drop_connections, name))
+            return self._guards[name]
+
+    def _drop_connections(self, name: str) -> None:
+        """Close node `name`'s idle connections (after a reply it could not read)."""
+        node = self._cluster.get_node(node_name=name) if self._cluster is not None else None
+        if node is not None and node.redis_connection is not None:
+            node.redis_connection.connection_pool.disconnect(inuse_connections=False)
 
     def _route(self, cluster: Any, stored: Sequence[str]) -> Routes:
         """Group the keys by master and, within one, by slot. A slot no master owns is
@@ -328,9 +345,10 @@ class RedisClusterBackend(StorageBackend):
             self._stale = ""
 
     def _workers(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(8, thread_name_prefix="shadowradix-cluster")
-        return self._pool
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(8, thread_name_prefix="shadowradix-cluster")
+            return self._pool
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         out = [False] * len(keys)
@@ -366,9 +384,14 @@ class RedisClusterBackend(StorageBackend):
                 blobs[i] = blob
         if keys:
             self._run(keys, queue, parse)
-        return [None if blob is None else self.verified(k, blob, None if sizes is None
-                                                        else sizes[i])
-                for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
+        wrong = self.errors["wrong_key"]
+        out = [None if blob is None else self.verified(k, blob, None if sizes is None
+                                                       else sizes[i])
+               for i, (k, blob) in enumerate(zip(keys, blobs, strict=True))]
+        if self.errors["wrong_key"] > wrong:  # a swapped object, or a connection a reply
+            for name in list(self._guards):   # behind (it would never catch up): drop them
+                self._drop_connections(name)
+        return out
 
     def batch_set(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """SET replaces a key atomically, so engines writing the same page at once leave

@@ -65,12 +65,16 @@ class Guard:
     """One endpoint's breaker and the fault counting of every call to it.
 
     `errors` is the backend's counter (shared by all its guards); `where` names the
-    endpoint in logs ("" for a single server)."""
+    endpoint in logs ("" for a single server); `reset` drops the endpoint's idle
+    connections, called after a reply it could not read: such a connection may be out of
+    step with the server (an extra reply would answer the next command)."""
 
-    def __init__(self, errors: Counter[str], breaker: CircuitBreaker, where: str = "") -> None:
+    def __init__(self, errors: Counter[str], breaker: CircuitBreaker, where: str = "",
+                 reset: Callable[[], None] | None = None) -> None:
         self.errors = errors
         self.breaker = breaker
         self.where = where
+        self._reset = reset
         self._unreachable = unreachable_errors()
         self._faults = store_errors()
 
@@ -108,6 +112,11 @@ class Guard:
         self.breaker.succeeded()
         log.warning("storage reply%s not understood (%s: %s); a miss", self._on,
                     type(e).__name__, e, exc_info=not isinstance(e, BadReply))
+        if self._reset is not None:
+            try:
+                self._reset()
+            except Exception as err:  # dropping sockets: nothing more to do
+                log.debug("storage: dropping connections%s failed: %s", self._on, err)
 
     @property
     def _on(self) -> str:
