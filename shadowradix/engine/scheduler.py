@@ -59,6 +59,7 @@ class Scheduler:
         self.deferred = 0  # request-steps sat out while their copies ran
         self._preempted_last_step = False
         self._reading: dict[Request, float] = {}  # reads in flight: when each began
+        self._passed_over = False  # the last `admit` passed over a request for its read
 
     @property
     def preempted(self) -> bool:
@@ -79,6 +80,7 @@ class Scheduler:
         no one but its own request, and that one at most `read_wait_s`); this never waits
         on a read. After a step that preempted, admit nothing new until a step runs without
         preempting."""
+        self._passed_over = False
         if self._preempted_last_step and self.running:
             return
         manager = self.manager
@@ -92,6 +94,7 @@ class Scheduler:
             fetched = self._prefetched(req, tokens)
             if fetched is _PENDING:
                 reading += 1  # it keeps its place; those behind it need not wait for its read
+                self._passed_over = True
                 continue
             if fetched is not None and manager.host is not None:
                 landed = manager.land(tokens, fetched)
@@ -168,8 +171,10 @@ class Scheduler:
         return fetched if fetched.pages else None
 
     def reads_pending(self) -> bool:
-        """Whether a waiting request's storage read is in flight."""
-        return any(not r.done() for r in self._pending_reads())
+        """Whether a waiting request's storage read is in flight, or was when the last
+        `admit` passed it over (it may have finished since: the next admission takes it,
+        so a step that found nothing to run is not a deadlock)."""
+        return self._passed_over or any(not r.done() for r in self._pending_reads())
 
     def wait_for_reads(self, timeout: float) -> None:
         """Wait until a waiting request's storage read is done, or `timeout` seconds (for

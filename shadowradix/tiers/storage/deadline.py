@@ -133,7 +133,8 @@ def connection_class(budget_s: float, tls: bool = False) -> type:
 
     class Bounded(base):
         _until: float | None = None
-        socket_connect_timeout: float | None  # the base's property (for mypy only)
+        socket_connect_timeout: float | None  # the base's properties (for mypy only)
+        socket_timeout: float | None
 
         def connect(self, *args: Any, **kwargs: Any) -> None:
             # The pool calls this on every checkout, connected or not: a call starts here.
@@ -149,14 +150,23 @@ def connection_class(budget_s: float, tls: bool = False) -> type:
             left = self.time_left()
             if left is not None and left <= 0:
                 raise TimeoutError("the storage call's deadline has passed")  # socket.timeout
+            # The TCP connect waits socket_connect_timeout; a TLS handshake (done inside
+            # the base's _connect, before the socket is ours to wrap) waits socket_timeout,
+            # over the whole handshake (CPython's do_handshake keeps a deadline): both at
+            # most what is left, or a stalled TLS server (or a URL's ?socket_timeout=30)
+            # would hold the call past its deadline.
             configured = self.socket_connect_timeout
+            reading: float | None = self.socket_timeout
             if left is not None:
                 self.socket_connect_timeout = left if configured is None else min(
                     left, configured)
+                self.socket_timeout = left if reading is None else min(left, reading)
             try:
                 sock = super()._connect()
             finally:
                 self.socket_connect_timeout = configured
+                self.socket_timeout = reading
+            sock.settimeout(reading)  # what redis-py asked for; _BoundedSocket clamps it
             return _BoundedSocket(sock, self.time_left)
 
     Bounded.__name__ = Bounded.__qualname__ = f"Bounded{base.__name__}"
