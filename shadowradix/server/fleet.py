@@ -332,10 +332,13 @@ def _check(args: argparse.Namespace) -> None:
     if args.port and args.port == args.router_metrics_port:
         raise ValueError(f"--router-metrics-port must differ from --port ({args.port})")
     for word in shlex.split(args.router_args):
-        if word.split("=", 1)[0] in OWN_ROUTER_FLAGS:
-            raise ValueError(f"--router-args: {word.split('=', 1)[0]} is the fleet's own "
-                             "(it comes from --host, --port, --router-metrics-port and the "
-                             "instances)")
+        # The router's parser (argparse) takes any unambiguous abbreviation of a flag
+        # (`--hos 0.0.0.0` is --host), and the last of a flag given twice wins.
+        name = word.split("=", 1)[0]
+        own = [f for f in OWN_ROUTER_FLAGS if len(name) > 2 and f.startswith(name)]
+        if name.startswith("--") and own:
+            raise ValueError(f"--router-args: {name} is the fleet's own {own[0]} (it comes "
+                             "from --host, --port, --router-metrics-port and the instances)")
     if importlib.util.find_spec("sglang_router") is None:
         raise ValueError("the fleet needs SGLang's router: pip install 'sglang-router>=0.3,<0.4'")
 

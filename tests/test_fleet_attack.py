@@ -1,0 +1,58 @@
+"""Attacks on the fleet's guarantees (issue #20): --router-args cannot move the router off
+--host, its metrics off --host, or its workers elsewhere, even by an abbreviation that the
+router's own parser (argparse) takes for the full flag."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import pytest
+
+from shadowradix.server import fleet
+
+OVERRIDES = [
+    "--hos 0.0.0.0",              # --host: the router on every interface
+    "--hos=0.0.0.0",
+    "--prometheus-ho 0.0.0.0",    # --prometheus-host: its metrics, without the API key
+    "--prometheus-p 29000",       # --prometheus-port
+    "--worker-u http://10.0.0.9:8000",  # --worker-urls: traffic to another machine
+    "--por 8080",                 # --port
+]
+
+
+def fleet_args(router_args: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    fleet.add_arguments(ap)
+    return ap.parse_args(["--model", "tiny", "--host", "127.0.0.1", "--port", "0",
+                          f"--router-args={router_args}"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
+                    reason="sglang-router (the dev extra) parses the router's flags")
+@pytest.mark.parametrize("words", OVERRIDES)
+def test_the_router_takes_an_abbreviation_for_the_fleets_own_flag(words):
+    """Why the check below matters: the router's parser reads each of these as the flag it
+    abbreviates, and the last one given wins over the fleet's."""
+    from sglang_router.launch_router import parse_router_args
+
+    argv = fleet.router_argv(fleet_args(""), ["http://127.0.0.1:1"], 30001, 30002)
+    got = parse_router_args([*argv[3:], *words.replace("=", " ").split()])
+    assert (got.host, got.port, got.prometheus_host, got.prometheus_port,
+            got.worker_urls) != ("127.0.0.1", 30001, "127.0.0.1", 30002,
+                                 ["http://127.0.0.1:1"])
+
+
+@pytest.mark.parametrize("words", OVERRIDES)
+def test_an_abbreviated_own_flag_in_router_args_is_refused(words):
+    """Only the flags' full names were refused: `--hos 0.0.0.0` put the router (and
+    `--prometheus-ho 0.0.0.0` its unauthenticated metrics) on every interface for as long
+    as the fleet waited for its readiness (--start-timeout, 600 s), then it exited 1."""
+    with pytest.raises(ValueError, match="is the fleet's own --"):
+        fleet._check(fleet_args(words))
+
+
+@pytest.mark.parametrize("words", ["--health-check-interval-secs 10", "--log-level debug",
+                                   "--prometheus-duration-buckets 0.1 1", "--policy random"])
+def test_other_router_flags_still_pass(words):
+    fleet._check(fleet_args(words))
