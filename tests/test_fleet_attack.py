@@ -1,15 +1,25 @@
 """Attacks on the fleet's guarantees (issue #20): --router-args cannot move the router off
 --host, its metrics off --host, or its workers elsewhere, even by an abbreviation that the
-router's own parser (argparse) takes for the full flag."""
+router's own parser (argparse) takes for the full flag; SIGTERM or SIGINT repeated while
+the fleet stops still ends in exit 0."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from shadowradix.server import fleet
+
+ROOT = Path(__file__).resolve().parent.parent
 
 OVERRIDES = [
     "--hos 0.0.0.0",              # --host: the router on every interface
@@ -56,3 +66,48 @@ def test_an_abbreviated_own_flag_in_router_args_is_refused(words):
                                    "--prometheus-duration-buckets 0.1 1", "--policy random"])
 def test_other_router_flags_still_pass(words):
     fleet._check(fleet_args(words))
+
+
+# ------------------------------------------------------------------ signals
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_repeated_until_the_fleet_exits_still_exit_0(signum):
+    """A supervisor that repeats SIGTERM (or a held Ctrl-C) while the fleet starts: the
+    first stops it; the ones that came after its stop restored the old handlers killed it
+    (exit -15, or -2 by a KeyboardInterrupt) instead of exit 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "shadowradix", "fleet", "--model", "tiny",
+                             "--instances", "1", "--port", "0", "--drain-timeout", "2"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not (kids := _children(proc.pid)):  # its handlers are in: it has a child
+            assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+            time.sleep(0.01)
+        seen.update(kids)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(_children(proc.pid))
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+            time.sleep(0.002)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in seen:  # nothing left behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)

@@ -345,6 +345,12 @@ def _check(args: argparse.Namespace) -> None:
 
 @contextmanager
 def _stop_on_signals(stopping: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set `stopping` in the block. Once one came, they are ignored after
+    the block (its children are gone by then, none inherits that): the fleet is stopping
+    already, and a repeat (a supervisor's, a second Ctrl-C) must not kill it with the old
+    handlers (exit -15, or a KeyboardInterrupt) while it flushes its output and exits 0.
+    Ignored, not left to a handler of ours: the interpreter's shutdown puts SIG_DFL back
+    in place of a Python handler, but leaves SIG_IGN."""
     def handler(signum: int, frame: Any) -> None:
         stopping.set()
 
@@ -353,7 +359,7 @@ def _stop_on_signals(stopping: threading.Event) -> Iterator[None]:
         yield
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if stopping.is_set() else h)
 
 
 def _status(url: str) -> int | None:
