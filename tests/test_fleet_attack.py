@@ -111,3 +111,23 @@ def test_signals_repeated_until_the_fleet_exits_still_exit_0(signum):
         for pid in seen:  # nothing left behind, whatever happened
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_sigterm_while_the_fleet_still_imports_exits_0():
+    """`python -m shadowradix fleet` takes a few hundred milliseconds to import before
+    the fleet installs its handlers; a SIGTERM then killed it (exit -15). The signal is
+    sent for sure in that window: from the command's own start, before it parses."""
+    code = ("import os, runpy, signal, sys\n"
+            "import shadowradix.cli as cli\n"
+            "main = cli.main\n"
+            "def early(*a, **kw):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return main(*a, **kw)\n"
+            "cli.main = early\n"
+            "sys.argv = ['shadowradix', 'fleet', '--model', 'tiny', '--instances', '1',\n"
+            "            '--port', '0']\n"
+            "runpy.run_module('shadowradix', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fleet of" not in proc.stderr  # it never announced itself

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from shadowradix import early_signals
 from shadowradix.flags import port, positive_float, positive_int
 from shadowradix.server.fleet_output import Output, forward, stderr_fd
 from shadowradix.server.fleet_ports import PortError, http_url, listen_addresses, pick_ports
@@ -355,6 +356,8 @@ def _stop_on_signals(stopping: threading.Event) -> Iterator[None]:
         stopping.set()
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    if early_signals.received():  # one came while the command was still importing
+        stopping.set()
     try:
         yield
     finally:
