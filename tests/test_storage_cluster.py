@@ -259,3 +259,35 @@ def test_two_engine_processes_share_one_store(model, valkey_cluster):
         assert r.cached_by_tier["storage"] == 80  # the writers' 5 pages, none recomputed
         check(model, p, r)
     third.close()
+
+
+def test_a_slow_slot_map_refresh_holds_back_no_other_call(valkey_cluster, monkeypatch):
+    """The tier calls the backend from a read and a write thread. A re-read of the slot
+    map that stalls (a master that is down keeps it waiting a deadline per node) ran under
+    the lock the other thread needs: that thread's call, its deadline running, waited
+    behind it. Now the re-read runs outside the lock and the other call uses the old map."""
+    import threading
+
+    store = RedisClusterBackend(valkey_cluster.url, refresh_s=0.0)
+    items = [(object_key("ns", "p", bytes([i]) * 16), b"v%d" % i) for i in range(12)]
+    assert store.batch_set(items) == [True] * 12
+    nodes = store._cluster.nodes_manager
+    reread = nodes.initialize
+    started = threading.Event()
+
+    def stalled(*args, **kw):  # type: ignore[no-untyped-def]
+        started.set()
+        time.sleep(1.5)
+        return reread(*args, **kw)
+
+    monkeypatch.setattr(nodes, "initialize", stalled)
+    store._mark_stale()
+    slow = threading.Thread(target=store.batch_exists, args=([k for k, _ in items],))
+    slow.start()
+    assert started.wait(10)
+    t0 = time.monotonic()
+    got = store.batch_get([k for k, _ in items])
+    took = time.monotonic() - t0
+    slow.join(10)
+    assert got == [v for _, v in items] and took < 1.0, took
+    store.close()

@@ -193,6 +193,8 @@ class RedisClusterBackend(StorageBackend):
         # The storage tier reads and writes from two threads: the client, the slot map's
         # refresh, the guards and the workers are made under one lock.
         self._lock = threading.RLock()
+        self._connecting = False  # a thread is building the client (outside the lock)
+        self._refreshing = False  # a thread is re-reading the slot map (outside the lock)
         self._connect(at_open=True)
 
     # ------------------------------------------------------------ topology
@@ -226,25 +228,44 @@ class RedisClusterBackend(StorageBackend):
 
     def _ready(self) -> Any:
         """The client with a current slot map, or None (counted "skipped") when no seed
-        answered lately. Re-reads the map after a fault, at most once per refresh_s."""
-        with self._lock:
-            return self._current()
+        answered lately. Re-reads the map after a fault, at most once per refresh_s.
 
-    def _current(self) -> Any:
-        if self._cluster is None:
-            if not self._topology.allow() or not self._connect():
-                self.errors["skipped"] += 1
-                return None
-        elif self._stale is not None and time.monotonic() - self._refreshed_at >= self.refresh_s:
-            self._refreshed_at = time.monotonic()
-            failed, self._stale = self._stale, None
+        The lock is held only to decide: the connect or the re-read itself (up to a
+        deadline per node) runs outside it, so the other storage thread never waits on
+        it with its own call's deadline running. While a first connect is in flight, the
+        other thread's call is a miss; while the map is re-read, it uses the old map."""
+        with self._lock:
+            if self._cluster is None:
+                if self._connecting or not self._topology.allow():
+                    self.errors["skipped"] += 1
+                    return None
+                self._connecting = True
+                failed = None
+            else:
+                cluster = self._cluster
+                if (self._stale is None or self._refreshing
+                        or time.monotonic() - self._refreshed_at < self.refresh_s):
+                    return cluster
+                self._refreshed_at = time.monotonic()
+                failed, self._stale = self._stale, None
+                self._refreshing = True
+        if failed is None:  # connect
             try:
-                self._cluster.nodes_manager.initialize(last_failed_node_name=failed or None)
-            except Exception as e:  # whatever it was: keep the old map, try again later
-                self.errors["topology"] += 1
-                self._stale = failed
-                log.warning("storage %s: could not re-read the slot map (%s)", self.url, e)
-        return self._cluster
+                if not self._connect():
+                    self.errors["skipped"] += 1
+                    return None
+                return self._cluster
+            finally:
+                self._connecting = False
+        try:
+            cluster.nodes_manager.initialize(last_failed_node_name=failed or None)
+        except Exception as e:  # whatever it was: keep the old map, try again later
+            self.errors["topology"] += 1
+            self._stale = failed
+            log.warning("storage %s: could not re-read the slot map (%s)", self.url, e)
+        finally:
+            self._refreshing = False
+        return cluster
 
     def _guard(self, name: str) -> Guard:
         with self._lock:
