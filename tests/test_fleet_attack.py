@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from server_util import child_pids
 
 from shadowradix.server import fleet
 
@@ -69,18 +70,6 @@ def test_other_router_flags_still_pass(words):
 
 
 # ------------------------------------------------------------------ signals
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signals_repeated_until_the_fleet_exits_still_exit_0(signum):
     """A supervisor that repeats SIGTERM (or a held Ctrl-C) while the fleet starts: the
@@ -93,13 +82,13 @@ def test_signals_repeated_until_the_fleet_exits_still_exit_0(signum):
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 60
-        while not (kids := _children(proc.pid)):  # its handlers are in: it has a child
+        while not (kids := child_pids(proc.pid)):  # its handlers are in: it has a child
             assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
             time.sleep(0.01)
         seen.update(kids)
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:
-            seen.update(_children(proc.pid))
+            seen.update(child_pids(proc.pid))
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
             time.sleep(0.002)

@@ -23,14 +23,12 @@ from shadowradix.tiers.storage import RedisBackend, object_key
 P = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0)
 
 
-class Silent:
-    """127.0.0.1:<port>: accepts TCP connections and never sends a byte (a stalled TLS
-    server: the client's handshake waits for its ServerHello)."""
+class Listener:
+    """127.0.0.1:<port>, each accepted connection handed to `took` (on its own thread)."""
 
     def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self._held: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -39,10 +37,28 @@ class Silent:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            self._held.append(conn)
+            self.took(conn)
+
+    def took(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._listener.close()
+
+
+class Silent(Listener):
+    """Accepts TCP connections and never sends a byte (a stalled TLS server: the client's
+    handshake waits for its ServerHello)."""
+
+    def __init__(self) -> None:
+        self._held: list[socket.socket] = []
+        super().__init__()
+
+    def took(self, conn: socket.socket) -> None:
+        self._held.append(conn)
+
+    def close(self) -> None:
+        super().close()
         for s in self._held:
             s.close()
 
@@ -79,24 +95,17 @@ def test_a_stalled_tls_handshake_costs_one_deadline(silent, url_tail, timeout_s,
     store.close()
 
 
-class TLSProxy:
+class TLSProxy(Listener):
     """TLS on 127.0.0.1:<port> in front of a plain server on `target`."""
 
     def __init__(self, target: int, cert: str, key: str) -> None:
         self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._ctx.load_cert_chain(cert, key)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
         self.target = target
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def took(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
@@ -108,9 +117,6 @@ class TLSProxy:
                         if not data:
                             return
                         (up if src is tls else tls).sendall(data)
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
