@@ -23,7 +23,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _shown(storage: Any) -> Any:
-    """A storage value fit for a message: a URL without its credentials."""
+    """A storage value fit for a message: a URL without its credentials (also one given
+    as bytes, which is refused, but whose repr would show them)."""
+    if isinstance(storage, bytes | bytearray):
+        return redact(bytes(storage).decode("utf-8", "replace"))
     return redact(storage) if isinstance(storage, str) else storage
 
 
@@ -49,8 +52,10 @@ class CacheConfig:
     storage_cap_bytes: for file://, the directory's size cap (least recently used
         objects go first); None: no cap. Redis caps itself (maxmemory).
     storage_secret: a secret shared by every engine using the store (bytes or str, at
-        least 16 bytes): each object then carries a keyed digest (BLAKE2b) over its
-        header and payload, bound to its key and namespace, and an object that fails it
+        least 16 bytes once surrounding whitespace is dropped, as the server drops it
+        from a secret file; longer than 64 bytes is fine): each object then carries a
+        keyed digest (BLAKE2b) over its header and payload, bound to its key and
+        namespace, and an object that fails it
         is a counted miss ("forged"), so only holders of the secret can change what an
         engine reads. None: objects are only checksummed, which detects corruption but
         authenticates nothing: the store must then be trusted like the model's weights.

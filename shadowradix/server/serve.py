@@ -102,15 +102,15 @@ def storage_secret(args: argparse.Namespace) -> bytes | None:
     """The storage secret: the file --storage-secret-file names, else
     $SHADOWRADIX_STORAGE_SECRET (ignored without --storage), else None. Never taken from
     the command line itself (other users can read it). ValueError naming the source for
-    a file that cannot be read, a secret too short, or the file flag without --storage."""
+    a file that cannot be read, a secret too short, the variable set but empty (never a
+    silent start without the secret), or the file flag without --storage."""
     from shadowradix.tiers.storage.codec import check_secret
 
     path = getattr(args, "storage_secret_file", None)
     if path is not None:
         source = f"--storage-secret-file {path!r}"
         try:
-            with open(path, "rb") as f:
-                raw = f.read(4097)
+            raw = _read_secret_file(path, 4097)
         except OSError as e:
             raise ValueError(f"{source}: cannot read it ({e.strerror})") from None
         if len(raw) > 4096:
@@ -118,14 +118,27 @@ def storage_secret(args: argparse.Namespace) -> bytes | None:
         value: bytes | str = raw.strip()
         if args.storage is None:
             raise ValueError(f"{source}: a storage secret needs --storage")
-    elif os.environ.get(SECRET_ENV) and args.storage is not None:
+    elif SECRET_ENV in os.environ and args.storage is not None:
         source, value = f"${SECRET_ENV}", os.environ[SECRET_ENV]
+        if not value.strip():  # fail closed: never run unauthenticated by a typo
+            raise ValueError(f"{source} is set but empty (an unset variable?); set it to the "
+                             f"secret, or unset it to run without one (trusting the store)")
     else:
         return None
     try:
         return check_secret(value)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _read_secret_file(path: str, limit: int) -> bytes:
+    """At most `limit` bytes of `path`. Opened without waiting, so a FIFO no writer holds
+    reads as empty (refused as too short) instead of blocking start-up forever; a pipe
+    with a writer (`--storage-secret-file <(...)`) is read to its end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        os.set_blocking(fd, True)  # a FIFO without a writer now reads as end of file
+        return f.read(limit)
 
 
 def _api_key(key: str) -> str:

@@ -75,6 +75,7 @@ class SizeAccount:
         the body raises. Raises OSError (Refused: not a regular file) if the account
         cannot be opened or read; never once the body has run."""
         fd, ident = self._lock()
+        moved = False
         try:
             tally = self._read(fd, ident)
             start = tally.total
@@ -86,10 +87,11 @@ class SizeAccount:
                 elif tally.total != start:
                     self._write(fd, ident, tally.total)
                 self._held = ident
-                if _ident_at(self.path) != ident:
-                    self._invalidate()
+                moved = _ident_at(self.path) != ident
         finally:
             os.close(fd)  # releases the lock
+            if moved:  # only now: the file at the path may be this one (a failed lstat),
+                self._invalidate()  # whose lock a second fd of ours would wait for forever
 
     def _lock(self) -> tuple[int, tuple[int, int]]:
         """An fd of the file now at the path, locked, and its identity. A file deleted or

@@ -10,8 +10,9 @@ Two kinds of object, told apart by the magic:
             authenticates nothing. Anyone who can write to the store can write an object
             that passes it, so without a secret the store must be trusted like the
             model's weights.
-    "SRM1"  digest = keyed BLAKE2b-256 under the store's shared secret (`Codec(secret)`):
-            only a writer holding the secret can make an object that passes.
+    "SRM1"  digest = keyed BLAKE2b-256 under the store's shared secret (`Codec(secret)`;
+            one longer than BLAKE2b's 64-byte key is hashed to 64 bytes first): only a
+            writer holding the secret can make an object that passes.
 
 The key (namespace, pool, page hash) is inside the digested header, so an object copied
 or swapped to another key's place (or another namespace's: another model) is refused
@@ -30,6 +31,7 @@ MAGIC = b"SRK2"  # unkeyed
 KEYED_MAGIC = b"SRM1"
 _DIGEST = {MAGIC: 16, KEYED_MAGIC: 32}
 MIN_SECRET_BYTES = 16
+_KEY_BYTES = 64  # the longest key BLAKE2b takes
 
 
 class CorruptObject(ValueError):
@@ -46,18 +48,31 @@ class Forged(CorruptObject):
 
 
 def check_secret(secret: bytes | str | None) -> bytes | None:
-    """The secret as bytes (a str is UTF-8, surrounding whitespace dropped); None for
-    none. ValueError for anything shorter than MIN_SECRET_BYTES or of another type."""
+    """The secret as bytes (a str is UTF-8, surrogate escapes as the bytes they stand
+    for), surrounding ASCII whitespace dropped whatever the type, so the contents of one
+    secret file give one key read as str, as bytes, or by the server (which strips them
+    too); None for none. ValueError for anything shorter than MIN_SECRET_BYTES or of
+    another type."""
     if secret is None:
         return None
     if isinstance(secret, str):
-        secret = secret.strip().encode()
+        secret = secret.encode("utf-8", "surrogateescape")
     if not isinstance(secret, bytes | bytearray):
         raise ValueError(f"storage_secret must be bytes or str, got {type(secret).__name__}")
+    secret = bytes(secret).strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"storage_secret must be at least {MIN_SECRET_BYTES} bytes, got "
                          f"{len(secret)}; e.g. `head -c 32 /dev/urandom | base64`")
     return bytes(secret)
+
+
+def _mac_key(secret: bytes | None) -> bytes | None:
+    """The BLAKE2b key of `secret`: the secret itself up to 64 bytes (the longest key
+    BLAKE2b takes), else its 64-byte BLAKE2b digest (as HMAC hashes a long key), so a
+    secret of any length works."""
+    if secret is None or len(secret) <= _KEY_BYTES:
+        return secret
+    return hashlib.blake2b(secret, digest_size=_KEY_BYTES, person=b"shadowradix-key").digest()
 
 
 class Codec:
@@ -65,7 +80,7 @@ class Codec:
     docstring). Holds the secret; its repr does not show it."""
 
     def __init__(self, secret: bytes | str | None = None) -> None:
-        self._secret = check_secret(secret)
+        self._secret = _mac_key(check_secret(secret))
         self.magic = MAGIC if self._secret is None else KEYED_MAGIC
 
     @property

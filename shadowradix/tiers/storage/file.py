@@ -42,6 +42,7 @@ from shadowradix.tiers.storage.backend import StorageBackend, StorageUnavailable
 from shadowradix.tiers.storage.folders import (
     Folders,
     Symlink,
+    close_folder,
     mode_at,
     open_object,
     read_upto,
@@ -74,7 +75,11 @@ class FileBackend(StorageBackend):
         if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 1):
             raise ValueError(f"cap_bytes must be an int >= 1 or None, got {cap_bytes!r}")
         self.root = Path(root)
-        if self.root.exists() and not self.root.is_dir():
+        try:
+            a_file = self.root.exists() and not self.root.is_dir()
+        except OSError:  # trouble with the directory: counted below, not raised
+            a_file = False
+        if a_file:
             raise ValueError(f"file:// storage {str(root)!r} is an existing file, not a "
                              f"directory; name a directory (it is created if missing)")
         self._root = str(self.root)
@@ -159,8 +164,16 @@ class FileBackend(StorageBackend):
             dirs.at(rel, lambda fan, _: write_new(fan, tmp, blob), create=True)
         except OSError as e:
             self._count(e, "write")
+            self._unstage(dirs, rel, tmp)
             return None
         return rel, tmp, len(blob)
+
+    def _unstage(self, dirs: Folders, rel: str, tmp: str) -> None:
+        """Delete a temporary file that will not be committed, if it is there: nothing
+        the account does not count is left behind (a failure after it was written, or
+        before its rename, would leave it until a sweep STALE_TMP_S later)."""
+        with contextlib.suppress(OSError):
+            dirs.at(rel, lambda fan, _: unlink_quietly(fan, tmp))
 
     def _commit_all(self, dirs: Folders, staged: list[tuple[str, str, int] | None]) -> list[bool]:
         """Rename the staged objects into place, counted, then keep the cap (account
@@ -183,14 +196,13 @@ class FileBackend(StorageBackend):
     def _discard(self, dirs: Folders, rel: str, tmp: str, _size: int) -> None:
         """A staged object not committed: its temporary file goes, counted "write"."""
         self.errors["write"] += 1
-        with contextlib.suppress(OSError):
-            dirs.at(rel, lambda fan, _: unlink_quietly(fan, tmp))
+        self._unstage(dirs, rel, tmp)
 
     def _commit(self, dirs: Folders, rel: str, tmp: str, size: int, tally: Tally) -> bool:
         """Rename into place (account locked), counting the bytes it adds."""
         def rename(fan: int, name: str) -> int:
-            old = size_at(fan, name)
             try:
+                old = size_at(fan, name)
                 os.replace(tmp, name, src_dir_fd=fan, dst_dir_fd=fan)
             except OSError:
                 unlink_quietly(fan, tmp)
@@ -199,8 +211,9 @@ class FileBackend(StorageBackend):
 
         try:
             old = dirs.at(rel, rename)
-        except OSError as e:
+        except OSError as e:  # not renamed (the fan folder failed to open, or the rename)
             self._count(e, "write")
+            self._unstage(dirs, rel, tmp)
             return False
         tally.total += size - old
         self._lru.touch(rel, size)
@@ -320,7 +333,7 @@ class FileBackend(StorageBackend):
             try:
                 yield from self._walk(fd, f"{folder}{name}/", levels[1:])
             finally:
-                os.close(fd)
+                close_folder(fd)
 
     # ------------------------------------------------------------ the account
     @contextlib.contextmanager

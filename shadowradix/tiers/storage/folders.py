@@ -55,7 +55,7 @@ class Folders:
         try:
             return fn(fd, name)
         finally:
-            os.close(fd)
+            close_folder(fd)
 
     def _cached(self, rel: str, parent: int, create: bool) -> int:
         fd = self._open.get(rel)
@@ -69,7 +69,7 @@ class Folders:
         self.root = -1
         for fd in fds:
             if fd >= 0:
-                os.close(fd)
+                close_folder(fd)
 
     def __enter__(self) -> Folders:
         return self
@@ -96,6 +96,14 @@ def subdir(parent: int, name: str, create: bool) -> int:
     return subdir(parent, name, create=False)
 
 
+def close_folder(fd: int) -> None:
+    """Close a folder's fd. An error there (EIO, EINTR) says nothing of what was done in
+    it, and Linux releases the fd anyway: it must not turn a write that was renamed into
+    place into a failure the account and the caller never see."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _make_root(root: str) -> None:
     """Make the root and its missing parents, 0700."""
     missing = []
@@ -115,7 +123,7 @@ def _mkdir(name: str, parent: int | None) -> None:
     try:
         os.fchmod(fd, 0o700)
     finally:
-        os.close(fd)
+        close_folder(fd)
 
 
 def _is_link(parent: int, name: str) -> bool:
