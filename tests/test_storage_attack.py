@@ -233,3 +233,44 @@ def test_a_failing_stat_of_the_root_is_no_exception(tmp_path, monkeypatch):
     backend = FileBackend(tmp_path / "l3")
     monkeypatch.undo()
     assert backend.batch_set([(KEY, b"w")]) == [True]
+
+
+# ------------------------------------------------------------- messages and lost writes
+@pytest.mark.parametrize("url", ["mysql://u:SEKRETXYZ@h/db", "Redis://:SEKRETXYZ@h:1/0",
+                                 b"redis://:SEKRETXYZ@h:1/0"])
+def test_open_storage_never_shows_a_password(url):
+    from shadowradix.tiers.storage import open_storage
+
+    with pytest.raises(ValueError) as e:
+        open_storage(url)  # type: ignore[arg-type]
+    assert "SEKRETXYZ" not in str(e.value)
+
+
+def test_parse_cluster_url_never_shows_a_password():
+    from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
+
+    with pytest.raises(ValueError) as e:
+        parse_cluster_url("redis://:SEKRETXYZ@h:1")
+    assert "SEKRETXYZ" not in str(e.value)
+
+
+def test_a_backend_write_that_raises_is_counted(tmp_path, monkeypatch):
+    """Write-through runs on the write thread, whose Futures nobody reads: a backend that
+    raised lost the write uncounted (a secret over 64 bytes made every write fail with
+    storage_errors 0)."""
+    from test_engine import rand_tokens
+    from tiny_model import tiny_model
+
+    from shadowradix import Engine, SamplingParams
+
+    def boom(self, items):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a backend bug")
+
+    monkeypatch.setattr(FileBackend, "batch_set", boom)
+    eng = Engine.from_hf(tiny_model(), CacheConfig(page_size=16, device_tokens=2048,
+                                                   storage=f"file://{tmp_path}"))
+    eng.generate([rand_tokens(75, 40)], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    eng.storage.drain()
+    assert eng.stats()["storage_errors"] > 0
+    assert eng.storage.error_counts["write_failed"] == 4 * len(eng.storage.names)  # 4 pages
+    eng.close()

@@ -21,6 +21,7 @@ backend's LRU and size account are not) gets one call at a time, under a lock.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -37,6 +38,8 @@ from shadowradix.tiers.storage.backend import StorageBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
 from shadowradix.tiers.storage.redis import RedisBackend
 from shadowradix.tiers.storage.redis_cluster import RedisClusterBackend
+
+log = logging.getLogger("shadowradix.storage")
 
 T = TypeVar("T")
 CONCURRENT = (RedisBackend, RedisClusterBackend)  # safe to call from both threads at once
@@ -200,12 +203,29 @@ class StorageTier:
         return staged, copied
 
     def _store_staged(self, keys: list[str], staged: list[Any], copied: Any) -> None:
-        copied.synchronize()  # on the write thread: the scheduler never waits for it
-        self._store(list(zip(keys, map(_payload, staged), strict=True)))
+        try:
+            copied.synchronize()  # on the write thread: the scheduler never waits for it
+            items = list(zip(keys, map(_payload, staged), strict=True))
+        except Exception:
+            self._write_failed(len(keys))
+            return
+        self._store(items)
 
     def _store(self, items: list[tuple[str, bytes]]) -> None:
-        ok = self._call(self.backend.batch_set, items)
-        self.bytes_written += sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
+        """Write-through on the write thread, whose Futures nobody reads: whatever the
+        backend raises is counted and logged here, never lost."""
+        try:
+            ok = self._call(self.backend.batch_set, items)
+            written = sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
+        except Exception:
+            self._write_failed(len(items))
+            return
+        self.bytes_written += written
+
+    def _write_failed(self, n: int) -> None:
+        self.faults["write_failed"] += n
+        log.warning("storage write of %d objects failed; they are not stored", n,
+                    exc_info=True)
 
     def drain(self) -> None:
         """Wait until every write and read submitted so far is done."""

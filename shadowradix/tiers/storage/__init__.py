@@ -6,6 +6,7 @@ from shadowradix.tiers.storage.file import FileBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
 from shadowradix.tiers.storage.redis import RedisBackend
 from shadowradix.tiers.storage.redis_cluster import RedisClusterBackend
+from shadowradix.tiers.storage.urls import redact
 
 __all__ = ["Codec", "CorruptObject", "FileBackend", "Forged", "RedisBackend",
            "RedisClusterBackend", "StorageBackend", "StorageUnavailable", "WrongKey", "decode",
@@ -23,7 +24,7 @@ def open_storage(url: str, cap_bytes: int | None = None,
     shared secret, so every object is authenticated (see codec.py)."""
     if not isinstance(url, str):
         raise ValueError(f"storage URL must be a str such as 'file:///var/cache/kv' or "
-                         f"'redis://HOST:PORT/DB', got {type(url).__name__} {url!r}")
+                         f"'redis://HOST:PORT/DB', got a {type(url).__name__}")
     if url.startswith("file://"):
         path = url.removeprefix("file://")
         if not path:
@@ -36,5 +37,5 @@ def open_storage(url: str, cap_bytes: int | None = None,
         if url.startswith("redis-cluster://"):
             return RedisClusterBackend(url, secret=secret)
         return RedisBackend(url, secret=secret)
-    raise ValueError(f"unsupported storage URL {url!r}; use file:///DIR, redis://HOST:PORT/DB "
-                     f"or redis-cluster://HOST:PORT[,HOST:PORT...]")
+    raise ValueError(f"unsupported storage URL {redact(url)!r}; use file:///DIR, "
+                     f"redis://HOST:PORT/DB or redis-cluster://HOST:PORT[,HOST:PORT...]")

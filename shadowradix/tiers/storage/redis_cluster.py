@@ -77,7 +77,8 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], str | None, str 
     Does not connect. ValueError naming what is wrong for a malformed URL."""
     usage = "use redis-cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]"
     if not isinstance(url, str) or not url.startswith(SCHEME):
-        raise ValueError(f"{url!r} is not a redis-cluster:// URL; {usage}")
+        shown = redact(url) if isinstance(url, str) else f"a {type(url).__name__}"
+        raise ValueError(f"{shown!r} is not a redis-cluster:// URL; {usage}")
     auth, _, hosts = url.removeprefix(SCHEME).rpartition("@")
     if "?" in hosts:
         raise ValueError(f"{redact(url)}: a redis-cluster:// URL takes no ?option (keys and "
