@@ -349,3 +349,11 @@ def test_a_connection_left_a_reply_behind_is_dropped(fake, kind):
         assert store.batch_get(keys[1:2], [6]) == [b"page 1"]
     finally:
         store.close()
+
+
+def test_the_config_refuses_a_reply_changing_option_before_any_engine():
+    from shadowradix import CacheConfig
+
+    with pytest.raises(ValueError, match="decode_responses"):
+        CacheConfig(storage="redis://127.0.0.1:1/0?decode_responses=True")
+    CacheConfig(storage="redis://127.0.0.1:1/0?protocol=2")  # accepted

@@ -9,6 +9,7 @@ from typing import Any
 
 from shadowradix.tiers.host_tier import WRITE_POLICIES
 from shadowradix.tiers.storage.codec import check_secret
+from shadowradix.tiers.storage.redis import check_url_options
 from shadowradix.tiers.storage.redis_cluster import parse_cluster_url
 from shadowradix.tiers.storage.urls import redact
 from shadowradix.tree.policy import named_policy
@@ -133,6 +134,8 @@ class CacheConfig:
                              f", got {_shown(self.storage)!r}{hint}")
         if isinstance(self.storage, str) and self.storage.startswith("redis-cluster://"):
             parse_cluster_url(self.storage)  # a malformed seed list fails here, not at open
+        if isinstance(self.storage, str) and self.storage.startswith(("redis://", "rediss://")):
+            check_url_options(self.storage)  # decode_responses & co. fail here, not at open
         if self.storage_cap_bytes is not None and (
                 not isinstance(self.storage_cap_bytes, int)
                 or isinstance(self.storage_cap_bytes, bool) or self.storage_cap_bytes < 1
