@@ -33,7 +33,7 @@ HOST_TOKENS = 2048  # twice the device tier, and too small for the whole workloa
 PAGE_BYTES = 64 * 1024  # one pool-page object (a small page of a small model)
 N = 400
 SIZES = [PAGE_BYTES] * N  # what the engine passes: each object's expected payload size
-SECRET = b"a benchmark's storage secret"  # keyed objects: BLAKE2b over header and payload
+SECRET = b"a benchmark's storage secret"  # keyed objects: HMAC-SHA256 over header and payload
 
 
 def items() -> list[tuple[str, bytes]]:
@@ -95,10 +95,13 @@ def file_ratio(workdir: Path) -> dict:
 
     ours = FileBackend(workdir / "ours")
     keyed = FileBackend(workdir / "keyed", secret=SECRET)
-    t_raw_set, t_raw_get = timed(raw_set), timed(raw_get)
-    t_set, t_get = timed(lambda: ours.batch_set(data)), timed(lambda: ours.batch_get(keys, SIZES))
-    t_kset = timed(lambda: keyed.batch_set(data))
-    t_kget = timed(lambda: keyed.batch_get(keys, SIZES))
+    def best(fn) -> float:  # the least of three: one run is at the mercy of the page cache
+        return min(timed(fn) for _ in range(3))
+
+    t_raw_set, t_raw_get = best(raw_set), best(raw_get)
+    t_set, t_get = best(lambda: ours.batch_set(data)), best(lambda: ours.batch_get(keys, SIZES))
+    t_kset = best(lambda: keyed.batch_set(data))
+    t_kget = best(lambda: keyed.batch_get(keys, SIZES))
     assert keyed.batch_get(keys[:1], SIZES[:1]) == [data[0][1]]
     return {"set_ratio": t_raw_set / t_set, "get_ratio": t_raw_get / t_get,
             "keyed_set_ratio": t_raw_set / t_kset, "keyed_get_ratio": t_raw_get / t_kget}

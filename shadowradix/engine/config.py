@@ -55,7 +55,7 @@ class CacheConfig:
     storage_secret: a secret shared by every engine using the store (bytes or str, at
         least 16 bytes once surrounding whitespace is dropped, as the server drops it
         from a secret file; longer than 64 bytes is fine): each object then carries a
-        keyed digest (BLAKE2b) over its header and payload, bound to its key and
+        keyed digest (HMAC-SHA256) over its header and payload, bound to its key and
         namespace, and an object that fails it
         is a counted miss ("forged"), so only holders of the secret can change what an
         engine reads. None: objects are only checksummed, which detects corruption but

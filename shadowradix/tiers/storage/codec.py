@@ -10,9 +10,10 @@ Two kinds of object, told apart by the magic:
             authenticates nothing. Anyone who can write to the store can write an object
             that passes it, so without a secret the store must be trusted like the
             model's weights.
-    "SRM1"  digest = keyed BLAKE2b-256 under the store's shared secret (`Codec(secret)`;
-            one longer than BLAKE2b's 64-byte key is hashed to 64 bytes first): only a
-            writer holding the secret can make an object that passes.
+    "SRH1"  digest = HMAC-SHA256 under the store's shared secret (`Codec(secret)`, any
+            length): only a writer holding the secret can make an object that passes.
+            (HMAC-SHA256 rather than keyed BLAKE2b: with the SHA extensions of current
+            CPUs it runs at about 1.6 GB/s here, BLAKE2b at 0.7.)
 
 The key (namespace, pool, page hash) is inside the digested header, so an object copied
 or swapped to another key's place (or another namespace's: another model) is refused
@@ -28,10 +29,9 @@ import hmac
 import xxhash
 
 MAGIC = b"SRK2"  # unkeyed
-KEYED_MAGIC = b"SRM1"
+KEYED_MAGIC = b"SRH1"
 _DIGEST = {MAGIC: 16, KEYED_MAGIC: 32}
 MIN_SECRET_BYTES = 16
-_KEY_BYTES = 64  # the longest key BLAKE2b takes
 
 
 class CorruptObject(ValueError):
@@ -66,22 +66,16 @@ def check_secret(secret: bytes | str | None) -> bytes | None:
     return bytes(secret)
 
 
-def _mac_key(secret: bytes | None) -> bytes | None:
-    """The BLAKE2b key of `secret`: the secret itself up to 64 bytes (the longest key
-    BLAKE2b takes), else its 64-byte BLAKE2b digest (as HMAC hashes a long key), so a
-    secret of any length works."""
-    if secret is None or len(secret) <= _KEY_BYTES:
-        return secret
-    return hashlib.blake2b(secret, digest_size=_KEY_BYTES, person=b"shadowradix-key").digest()
-
-
 class Codec:
     """Encodes and verifies objects, keyed by `secret` when one is given (see module
     docstring). Holds the secret; its repr does not show it."""
 
     def __init__(self, secret: bytes | str | None = None) -> None:
-        self._secret = _mac_key(check_secret(secret))
+        self._secret = check_secret(secret)
         self.magic = MAGIC if self._secret is None else KEYED_MAGIC
+        # The keyed state after the key, copied per object (not rebuilt from the secret).
+        self._hmac = None if self._secret is None else hmac.new(self._secret,
+                                                                 digestmod=hashlib.sha256)
 
     @property
     def keyed(self) -> bool:
@@ -91,10 +85,8 @@ class Codec:
         return f"Codec(keyed={self.keyed})"
 
     def _digest(self, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-        if self._secret is None:
-            h = xxhash.xxh3_128()
-        else:
-            h = hashlib.blake2b(key=self._secret, digest_size=32)  # type: ignore[assignment]
+        h: xxhash.xxh3_128 | hmac.HMAC = (xxhash.xxh3_128() if self._hmac is None
+                                          else self._hmac.copy())
         h.update(head)
         h.update(payload)
         return h.digest()
