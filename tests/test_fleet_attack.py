@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -39,8 +38,6 @@ def fleet_args(router_args: str) -> argparse.Namespace:
                           f"--router-args={router_args}"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
-                    reason="sglang-router (the dev extra) parses the router's flags")
 @pytest.mark.parametrize("words", OVERRIDES)
 def test_the_router_takes_an_abbreviation_for_the_fleets_own_flag(words):
     """Why the check below matters: the router's parser reads each of these as the flag it

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import select
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_engine import rand_tokens
@@ -20,6 +19,7 @@ from tiny_model import tiny_model
 from shadowradix import CacheConfig, Engine, SamplingParams
 from shadowradix.tiers.storage import RedisBackend, object_key
 
+DATA = Path(__file__).resolve().parent / "data"
 P = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0)
 
 
@@ -119,15 +119,11 @@ class TLSProxy(Listener):
                         (up if src is tls else tls).sendall(data)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
-def test_a_bounded_tls_connection_still_reads_and_writes(redis_server, tmp_path):
+def test_a_bounded_tls_connection_still_reads_and_writes(redis_server):
     """The handshake's bound leaves the connection's own socket timeout as redis-py set it:
-    a TLS store answers every call."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
-                   capture_output=True, timeout=60)
+    a TLS store answers every call. (tests/data: a self-signed certificate for 127.0.0.1,
+    for tests only, valid until 2126, so no test needs openssl.)"""
+    cert, key = DATA / "tls-test-cert.pem", DATA / "tls-test-key.pem"
     proxy = TLSProxy(redis_server.port, str(cert), str(key))
     try:
         store = RedisBackend(f"rediss://127.0.0.1:{proxy.port}/0?ssl_ca_certs={cert}",
