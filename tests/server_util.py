@@ -69,6 +69,16 @@ class ServerThread:
         self.thread.join(30)
         self.sock.close()
 
+    def __enter__(self) -> ServerThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# A tiny server small enough that a few requests fill its pools and budget.
+SMALL_TINY = ("--model", "tiny", "--device-tokens", "4096", "--step-tokens", "256")
+
 
 class ChildProcess:
     """`python -m shadowradix COMMAND ARGV` as a child process: its stderr is kept in `log`

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_util import ServerThread, metrics
+from server_util import SMALL_TINY, ServerThread, metrics
 
 from shadowradix.server.protocol import ApiError, quote
 from shadowradix.server.text_stream import TextStream
@@ -29,10 +29,8 @@ GENERATED = "shadowradix:generation_tokens_total"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread.from_args("--model", "tiny", "--device-tokens", "4096",
-                                 "--step-tokens", "256")
-    yield srv
-    srv.stop()
+    with ServerThread.from_args(*SMALL_TINY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import asyncio
 
 import openai
 import pytest
-from server_util import ServerThread
+from server_util import SMALL_TINY, ServerThread
 
 import shadowradix.engine.engine as engine_module
 from shadowradix.model.runner import DeepseekV4Runner
@@ -18,10 +18,8 @@ PROMPTS = [f"The cache keeps every form of a token #{i}" for i in range(6)]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread.from_args("--model", "tiny", "--device-tokens", "4096",
-                                 "--step-tokens", "256")
-    yield srv
-    srv.stop()
+    with ServerThread.from_args(*SMALL_TINY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shadowradix.tiers.storage import FileBackend, object_key
+from shadowradix.tiers.storage import Codec, FileBackend, object_key
 from shadowradix.tiers.storage.keys import DIGEST
 
 PAYLOAD = b"x" * 1000
@@ -29,11 +29,9 @@ def key(i: int, ns: str = "ns", pool: str = "c4") -> str:
 
 
 @pytest.fixture(scope="module")
-def size(tmp_path_factory) -> int:
-    """Bytes of one stored object of PAYLOAD, measured on disk."""
-    root = tmp_path_factory.mktemp("probe")
-    FileBackend(root).batch_set([(key(0), PAYLOAD)])
-    return disk_bytes(root)
+def size() -> int:
+    """Bytes of one stored object of PAYLOAD (a file holds exactly its encoded form)."""
+    return Codec().stored_size(key(0), len(PAYLOAD))
 
 
 def disk_bytes(root: Path) -> int:

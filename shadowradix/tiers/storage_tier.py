@@ -125,15 +125,13 @@ class StorageTier:
         q = self.rule.deepest_after(table, stop - done)
         if q <= done:
             return empty
-        n = len(self.names)
-        blobs = self.backend.batch_get(self._keys(hashes, done, q),
-                                       [self.page_bytes[self.names[k % n]]
-                                        for k in range((q - done) * n)])
+        sizes = [self.page_bytes[name] for _ in range(done, q) for name in self.names]
+        blobs = self.backend.batch_get(self._keys(hashes, done, q), sizes)
         intact: list[bytes] = []
-        for i, blob in enumerate(blobs):
+        for blob, size in zip(blobs, sizes, strict=True):
             if blob is None:
-                return empty  # missing, or refused by its checksum or key (counted inside)
-            if len(blob) != self.page_bytes[self.names[i % len(self.names)]]:
+                return empty  # missing, or refused by its digest, key or size (counted inside)
+            if len(blob) != size:  # a backend that ignored `sizes`
                 self.faults["wrong_size"] += 1  # intact, but not a page of this layout
                 return empty
             intact.append(blob)
