@@ -11,9 +11,9 @@ from shadowradix.tree import CheckpointPolicy, ShadowRadix
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "CheckpointPolicy", "Engine", "KVLayout", "PoolSpec", "PrefixCache",
-           "Retention", "SamplingParams", "ShadowRadix", "__version__"]
+           "Retention", "SamplingParams", "ShadowRadix", "SpecConfig", "__version__"]
 
-_ENGINE = {"Engine", "CacheConfig", "SamplingParams"}
+_ENGINE = {"Engine", "CacheConfig", "SamplingParams", "SpecConfig"}
 
 
 def __getattr__(name: str) -> object:

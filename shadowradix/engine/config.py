@@ -235,3 +235,44 @@ class SamplingParams:
     def sampling(self) -> bool:
         """Whether a token is drawn at random (not greedy, and hot enough to matter)."""
         return not self.greedy and self.temperature >= MIN_TEMPERATURE
+
+
+SPEC_METHODS = ("ngram", "mtp", "custom")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: each decode step verifies up to `num_draft_tokens` drafted
+    tokens in one forward and keeps the longest run the model agrees with (greedy), or
+    what the rejection rule accepts (sampling: the output distribution is unchanged).
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence
+        of the request's last n tokens, for n from `ngram_max` down to `ngram_min`;
+        nothing when nothing matches), "mtp" (the checkpoint's own MTP block), or
+        "custom" (`proposer(tokens, k)` returns up to k draft tokens for a request whose
+        tokens so far are `tokens`: a drafter of your own, or a test's).
+    """
+
+    method: str = "ngram"
+    num_draft_tokens: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 3
+    proposer: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be an int in [1, 64], "
+                             f"got {self.num_draft_tokens!r}")
+        for name in ("ngram_min", "ngram_max"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max "
+                             f"({self.ngram_max})")
+        if (self.method == "custom") != (self.proposer is not None):
+            raise ValueError("a proposer is given with method='custom', and only then")
+        if self.proposer is not None and not callable(self.proposer):
+            raise ValueError(f"proposer must be callable, got {self.proposer!r}")

@@ -20,15 +20,18 @@ import numpy as np
 import torch
 
 from shadowradix.engine.cache_control import CacheControl
-from shadowradix.engine.config import CacheConfig, SamplingParams
+from shadowradix.engine.config import CacheConfig, SamplingParams, SpecConfig
+from shadowradix.engine.drafters import TokenDrafter
 from shadowradix.engine.request import Request, Result, StepOutput
 from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Chunk, Scheduler
 from shadowradix.engine.transaction import Snapshot
 from shadowradix.engine.validation import checked_batch, model_layout
+from shadowradix.engine.verify import verify
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
 from shadowradix.model.attention import CSA
+from shadowradix.model.compressor import rewind_states
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.sparse import AccessStream
@@ -56,17 +59,24 @@ class Engine:
     """
 
     def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512,
-                 record_topk: bool = False) -> None:
+                 record_topk: bool = False, speculative: SpecConfig | None = None) -> None:
         if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
             raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
         if not isinstance(record_topk, bool):
             raise ValueError(f"record_topk must be a bool, got {record_topk!r}")
+        if speculative is not None and not isinstance(speculative, SpecConfig):
+            raise ValueError(f"speculative must be a SpecConfig or None, got {speculative!r}")
         self.record_topk = record_topk
         self.layout = model_layout(hf_model, config.page_size)
         cfg = hf_model.config
         self.device = next(hf_model.parameters()).device
         self.config = config
         self.vocab_size = int(cfg.vocab_size)
+        self.spec = speculative
+        self.drafter = TokenDrafter(speculative, self.vocab_size) if speculative else None
+        k = speculative.num_draft_tokens if speculative else 0
+        self._spec: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                                      "accepted_per_position": [0] * k}
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         host_pages = config.host_tokens // config.page_size if config.host_tokens else None
@@ -262,6 +272,8 @@ class Engine:
         """One step; what it produced goes to the outbox as it is produced."""
         t_step = time.perf_counter()
         sched = self.scheduler
+        if self.drafter is not None:
+            self._draft()
         sched.admit()
         chunks = sched.plan()
         if chunks and self.host is not None:
@@ -275,7 +287,7 @@ class Engine:
                     return
                 raise RuntimeError("no request can run: the pools are pinned by locks")
             return
-        snaps = {c.request: Snapshot.take(c.request, c.end == len(c.request.ids))
+        snaps = {c.request: Snapshot.take(c.request, c.end >= len(c.request.ids))
                  for c in chunks}
         try:
             segments = [self._segment(c) for c in chunks]
@@ -319,14 +331,17 @@ class Engine:
         decode = c.end - c.start == 1 and c.start >= c.request.prompt_len
         if isinstance(kv.c4, HotSet):  # decode steps go through the hot buffer
             kv.c4.decoding = decode
+        req = c.request
+        drafts = max(c.end - len(req.ids), 0)
+        kv.journal = {} if drafts else None  # its states go back to the accepted row
         if self.record_topk:  # a chunk that ends at an output token ends in a decode query
-            ends = c.end == len(c.request.ids) and c.end > c.request.prompt_len
-            kv.topk = c.request.topk if ends else None
-        lease = c.request.lease
+            ends = c.end >= len(req.ids) and c.end > req.prompt_len
+            kv.topk = req.topk if ends else None
+        lease = req.lease
         assert lease is not None
         if c.start == lease.cached and c.start:  # first chunk after a cache hit
             self.runner.resume(self.store, kv, c.start // self.config.page_size)
-        ids = torch.tensor(c.request.ids[c.start:c.end], device=self.device)
+        ids = torch.tensor(req.ids[c.start:c.end] + req.draft[:drafts], device=self.device)
         return ids, c.start, kv
 
     def _page_tables(self, req: Request) -> RequestKV:
@@ -342,51 +357,110 @@ class Engine:
         return kv
 
     def _advance(self, c: Chunk, rows: torch.Tensor) -> None:
-        """Book a chunk's forward: sample at the sequence end, cache its computed pages,
-        finish. The counters move last, once the booking held."""
+        """Book a chunk's forward: sample (verify the drafts) at the sequence end, put the
+        states back at the accepted row, cache its computed pages, finish. The counters
+        move last, once the booking held."""
         req = c.request
         assert req.lease is not None
-        row, token = None, -1
-        if c.end == len(req.ids):  # sampled first: it changes nothing the cache sees
-            row = rows[-1]
-            token = sample(row, req.params, req.generator, self._banned(req))
-        req.computed = c.end
-        self.manager.cache_prefix(req.lease, req.ids, req.computed)
-        kind = "decode_tokens" if c.end - c.start == 1 and c.start >= req.prompt_len else (
-            "prefill_tokens")
-        if row is None:  # a prefill chunk short of the end
-            self._counters[kind] += c.end - c.start
+        draft = req.draft[:max(c.end - len(req.ids), 0)]
+        if c.end < len(req.ids):  # a prefill chunk short of the end
+            req.computed = c.end
+            self.manager.cache_prefix(req.lease, req.ids, req.computed)
+            self._counters["prefill_tokens"] += c.end - c.start
             return
-        if req.keep_logits:  # a copy: a view would keep the whole step's logits alive
-            req.logits.append(row.to("cpu", copy=True))
-        req.ids.append(token)
-        ends = token in req.params.stop_token_ids or (
-            not req.params.ignore_eos and token in self.eos)
-        finished = len(req.outputs) >= req.params.max_new_tokens or (
-            ends and len(req.outputs) > req.params.min_tokens)
-        if finished:
+        last = len(req.ids) - 1 - c.start  # the row after the last token fed
+        # Sampled first: it changes nothing the cache sees.
+        banned = [self._banned(req, i) for i in range(len(draft) + 1)]
+        if draft:
+            tokens = verify(rows[last:], draft, req.params, req.generator, banned)
+        else:
+            tokens = [sample(rows[last], req.params, req.generator, banned[0])]
+        accepted = len(tokens) - 1  # the drafts kept (the last token is the model's own)
+        tokens = tokens[:self._ending(req, tokens)]
+        computed = len(req.ids) + len(tokens) - 1  # the positions fed and kept
+        if draft:  # the rejected drafts' rows are forgotten
+            rewind_states(req.kv, computed - c.start)  # type: ignore[arg-type]
+            self._forget_topk(req, c.end - computed)
+        req.computed = computed
+        self.manager.cache_prefix(req.lease, req.ids + tokens, computed)
+        if req.keep_logits:  # copies: a view would keep the whole step's logits alive
+            req.logits.extend(row.to("cpu", copy=True) for row in rows[last:last + len(tokens)])
+        req.ids.extend(tokens)
+        if self._finished(req):
             self.scheduler.finish(req)
             req.done = True
-        self._counters[kind] += c.end - c.start
+        elif draft:  # pages grown for drafts the model rejected go back
+            self.manager.shrink(req.lease, len(req.ids))
+        decode = c.start >= req.prompt_len
+        self._counters["decode_tokens" if decode else "prefill_tokens"] += computed - c.start
+        if draft:
+            self._count_drafts(len(draft), min(accepted, len(tokens)))
         self._report(req)
 
+    def _ending(self, req: Request, tokens: list[int]) -> int:
+        """How many of `tokens` the answer takes: up to the first that ends it."""
+        have = len(req.outputs)
+        for i, token in enumerate(tokens):
+            if self._ends(req, token, have + i + 1):
+                return i + 1
+        return len(tokens)
+
+    def _ends(self, req: Request, token: int, outputs: int) -> bool:
+        """Whether `token`, the answer's `outputs`-th, ends it."""
+        p = req.params
+        stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos)
+        return outputs >= p.max_new_tokens or (stop and outputs > p.min_tokens)
+
+    def _finished(self, req: Request) -> bool:
+        return self._ends(req, req.ids[-1], len(req.outputs))
+
+    def _forget_topk(self, req: Request, rows: int) -> None:
+        """Drop the selections a speculative step recorded for its rejected rows."""
+        if rows and req.kv is not None and req.kv.topk is not None:
+            for log in req.kv.topk.values():
+                del log[len(log) - rows:]
+
+    def _count_drafts(self, proposed: int, accepted: int) -> None:
+        spec = self._spec
+        spec["drafts"] += 1
+        spec["draft_tokens"] += proposed
+        spec["accepted_tokens"] += accepted
+        for i in range(accepted):
+            spec["accepted_per_position"][i] += 1
+
+    def _draft(self) -> None:
+        """Each decoding request's draft for this step, at most num_draft_tokens and never
+        past its max_new_tokens. A proposer that raises fails its request alone."""
+        assert self.drafter is not None and self.spec is not None
+        for req in list(self.scheduler.running):
+            req.draft = []
+            room = req.params.max_new_tokens - len(req.outputs) - 1
+            if not req.decoding or req.lease is None or room <= 0:
+                continue
+            try:
+                req.draft, req.draft_state = self.drafter.propose(
+                    req.ids, req.draft_state, min(self.spec.num_draft_tokens, room))
+            except Exception as e:
+                self._fail(req, e)
+
     def _report(self, req: Request) -> None:
-        """Put the request's new token in the outbox (its result too once it is done).
+        """Put the request's new tokens in the outbox (its result too once it is done).
         Idempotent: an interrupt after a request finished completes its report."""
         if req.reported == len(req.outputs):
             return
         if req.done:
             req.result = req.result or self._result(req)
             self._requests.pop(req.id, None)
-        first = len(req.outputs) == 1
+        first = req.reported == 0
+        new = req.outputs[req.reported:]
         req.reported = len(req.outputs)
         self._outbox.append(StepOutput(
-            req.id, [req.ids[-1]], req.done, req.result,
+            req.id, new, req.done, req.result,
             req.cached_by_tier if first else None, req.admitted_at if first else None))
 
-    def _banned(self, req: Request) -> set[int]:
-        """Tokens that may not end the answer yet (min_tokens)."""
-        if len(req.outputs) >= req.params.min_tokens:
+    def _banned(self, req: Request, ahead: int = 0) -> set[int]:
+        """Tokens that may not end the answer yet (min_tokens), `ahead` outputs on."""
+        if len(req.outputs) + ahead >= req.params.min_tokens:
             return set()
         ends = set(req.params.stop_token_ids)
         return ends if req.params.ignore_eos else ends | self.eos
@@ -477,7 +551,21 @@ class Engine:
             "copy_deferrals": self.scheduler.deferred,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "spec": self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters (zeros and method None when it is off):
+        drafts (verify steps that carried a draft), draft_tokens, accepted_tokens,
+        accepted_per_position[i] (drafts whose (i+1)-th token was kept) and the mean
+        accepted length (tokens emitted per draft step, bonus included)."""
+        spec = self._spec
+        drafts = spec["drafts"]
+        return {"method": self.spec.method if self.spec else None,
+                "num_draft_tokens": self.spec.num_draft_tokens if self.spec else 0,
+                **spec, "accepted_per_position": list(spec["accepted_per_position"]),
+                "mean_accepted_length": (spec["accepted_tokens"] + drafts) / drafts
+                if drafts else None}
 
     def status(self) -> dict[str, Any]:
         """A cheap snapshot for a server's metrics, taken between steps on the engine's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,8 @@ class Request:
     done: bool = False
     result: Result | None = None
     error: BaseException | None = None  # it failed alone (done, no result)
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens (speculative)
+    draft_state: Any = None  # the drafter's memory of this request
 
     @property
     def outputs(self) -> list[int]:

@@ -2,11 +2,13 @@
 CacheManager's (tiers/manager.py); this decides only order and budget.
 
 Each step admits waiting requests first-come-first-served while their first chunk fits,
-gives every decoding request its one token, then fills the rest of the token budget with
-prefill chunks (of any size: chunks need not align with pages or compression windows).
-A request whose pages cannot grow preempts the most recently admitted running request
-(possibly itself), which goes back to the head of the queue and later resumes from what
-the cache still holds. A preempted request never waits behind a newer one.
+gives every decoding request its one token (and its draft tokens, with speculative
+decoding, as far as the budget and its pools allow: pages for drafts never preempt
+anyone), then fills the rest of the token budget with prefill chunks (of any size:
+chunks need not align with pages or compression windows). A request whose pages cannot
+grow preempts the most recently admitted running request (possibly itself), which goes
+back to the head of the queue and later resumes from what the cache still holds. A
+preempted request never waits behind a newer one.
 
 A request whose pages are still being copied back from the host sits out until its copy
 is done (unless nothing else can run): its load-back overlaps the others' compute.
@@ -118,7 +120,7 @@ class Scheduler:
     def _budget_left(self) -> int:
         """Tokens of this step's budget the running requests will not use: admitting more
         than the step can feed only holds pages that the running ones need to grow."""
-        used = sum(len(r.ids) - r.computed for r in self.running)
+        used = sum(len(r.ids) + len(r.draft) - r.computed for r in self.running)
         return self.step_tokens - used
 
     def _start(self, req: Request, lease: Lease) -> None:
@@ -206,8 +208,11 @@ class Scheduler:
             for req in candidates:
                 if req.lease is None or req.decoding is not decode or budget <= 0:
                     continue
-                end = min(len(req.ids), req.computed + budget)
+                end = min(len(req.ids) + len(req.draft), req.computed + budget)
                 end = self.manager.chunk_end(req.lease, req.computed, end)  # fits its pools
+                if end > len(req.ids) and not self.manager.grow(req.lease, end):
+                    end = len(req.ids)  # drafts never preempt anyone: it decodes plainly
+                del req.draft[max(end - len(req.ids), 0):]
                 if not self._grow(req, end, chunks):
                     continue
                 chunks.append(Chunk(req, req.computed, end))
@@ -284,6 +289,7 @@ class Scheduler:
             assert self.hot is not None
             self.hot.release(req.kv.c4)
         req.lease, req.kv = None, None
+        req.draft = []
 
     def release_orphans(self) -> int:
         """Abort leases an exception left without a request (see CacheManager)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
-from shadowradix.model.compressor import compress, empty_state
+from shadowradix.model.compressor import Journal, compress, empty_state
 from shadowradix.model.context import CompressorState, PagedStorage, RequestKV
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -166,7 +166,10 @@ def _emit(module: Any, series: str, pool: str, hidden: torch.Tensor,
     ratio = module.compress_rate
     state = _state(req, layer, series, module, hidden)
     first = int(positions[0]) - state.buffer_kv.shape[0]  # the unfinished window's start
-    new, overlaps = compress(module, hidden, state, first, overlap)
+    journal = None
+    if req.journal is not None:
+        journal = req.journal[(layer, series)] = Journal()
+    new, overlaps = compress(module, hidden, state, first, overlap, journal)
     flat = store.flat(pool, layer)
     table = req.page_tables[pool]
     w0 = first // ratio
@@ -212,7 +215,8 @@ def _csa(comp: Any, hidden: torch.Tensor, q_residual: torch.Tensor,
     count = keys.shape[0]
     if count == 0:
         if req.topk is not None:
-            req.topk.setdefault(layer, []).append((positions.new_zeros(0), 0))
+            rows = L if req.journal is not None else 1
+            req.topk.setdefault(layer, []).extend([(positions.new_zeros(0), 0)] * rows)
         none = positions.new_zeros((L, 0))
         return _Selection(none, none.bool(), 0, address)
     cos, sin = index.rotary_emb(hidden, position_ids=positions[None], layer_type="compress")
@@ -225,7 +229,11 @@ def _csa(comp: Any, hidden: torch.Tensor, q_residual: torch.Tensor,
     picked = scores.masked_fill(future, NEG_INF).topk(top_k, dim=-1).indices  # [L, k]
     valid = picked < threshold[:, None]
     if req.topk is not None:  # the last row sees every entry so far: count is its threshold
-        req.topk.setdefault(layer, []).append((picked[-1][valid[-1]], count))
+        log = req.topk.setdefault(layer, [])
+        if req.journal is not None:  # a speculative step: every row is a decode query
+            log.extend((picked[i][valid[i]], int(threshold[i])) for i in range(L))
+        else:
+            log.append((picked[-1][valid[-1]], count))
     return _Selection(picked, valid, count, address)
 
 

@@ -8,25 +8,70 @@ into its pool (one entry per `ratio` tokens, at position window * ratio).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
-from shadowradix.model.context import CompressorState
+from shadowradix.model.context import CompressorState, RequestKV
+
+
+@dataclass
+class Journal:
+    """What one `compress` call started from and computed, for `rewind`: the state before,
+    and the rows it concatenated (the buffered ones, then the chunk's projections)."""
+
+    before: CompressorState | None = None
+    kv: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    module: Any = None
+    overlap: bool = False
+
+    def rewind(self, keep: int) -> CompressorState:
+        """The state after only the chunk's first `keep` rows: the same tensors `compress`
+        would have kept had it been given those rows alone (bit for bit)."""
+        before, kv, gate = self.before, self.kv, self.gate
+        assert before is not None and kv is not None and gate is not None
+        ratio, hd = self.module.compress_rate, self.module.head_dim
+        total = before.buffer_kv.shape[0] + keep
+        usable = total // ratio * ratio
+        state = CompressorState(kv[usable:total], gate[usable:total], before.overlap_kv,
+                                before.overlap_gate)
+        if self.overlap and usable:  # the Ca half of the last window the kept rows closed
+            state.overlap_kv = kv[usable - ratio:usable, :hd].clone()
+            last = gate[usable - ratio:usable].view(1, ratio, -1) + self.module.position_bias
+            state.overlap_gate = last[0, :, :hd].clone()
+        return state
+
+
+def rewind_states(req: RequestKV, keep: int) -> None:
+    """Put every compressor and indexer state of a journaled chunk (a speculative step)
+    back at its first `keep` rows: the rejected drafts' rows are forgotten."""
+    journals, req.journal = req.journal, None
+    assert journals is not None, "rewind_states without a journaled forward"
+    for key, journal in journals.items():
+        req.states[key] = journal.rewind(keep)
 
 
 def compress(module: Any, hidden: torch.Tensor, state: CompressorState,
-             first_window: int, overlap: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+             first_window: int, overlap: bool,
+             journal: Journal | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Close every window completed by `hidden` ([L, hidden]); update `state`.
 
     Returns (entries [n_windows, head_dim] with RoPE at each window's start,
     overlaps): for CSA, overlaps[i] is the [2, ratio, head_dim] (kv, gate) Ca half
     of the i-th closed window, the state to snapshot at a page end there.
+    `journal`: filled with what `rewind` needs to put the state back at any row.
     """
     ratio, hd = module.compress_rate, module.head_dim
+    before = CompressorState(state.buffer_kv, state.buffer_gate, state.overlap_kv,
+                             state.overlap_gate)
     kv = torch.cat([state.buffer_kv, module.kv_proj(hidden)])
     gate = torch.cat([state.buffer_gate, module.gate_proj(hidden)])
+    if journal is not None:
+        journal.before, journal.kv, journal.gate = before, kv, gate
+        journal.module, journal.overlap = module, overlap
     usable = kv.shape[0] // ratio * ratio
     state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
     n = usable // ratio

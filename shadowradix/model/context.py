@@ -59,12 +59,16 @@ class RequestKV:
     None, the default, records nothing.
     c4: with HiSparse, the request's C4 reader (its hot buffers); None reads the C4 pool
     directly.
+    journal: set ({}) for a speculative step's chunk: every compressor and indexer records
+    what `compressor.rewind_states` needs to put its state back at an accepted row, and
+    `topk` records every row's selection, not only the last.
     """
 
     page_tables: dict[str, torch.Tensor]
     states: dict[tuple[int, str], CompressorState] = field(default_factory=dict)
     topk: dict[int, list[tuple[torch.Tensor, int]]] | None = None
     c4: C4Reader | None = None
+    journal: dict[tuple[int, str], Any] | None = None
 
 
 @dataclass(frozen=True)

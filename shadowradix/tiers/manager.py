@@ -308,6 +308,24 @@ class CacheManager:
         lease.grown_to = end
         return True
 
+    def shrink(self, lease: Lease, end: int) -> None:
+        """Give back the pages grown past what positions up to `end` need (a speculative
+        step grew pages for drafts the model rejected). They are the request's own: no
+        full page past `end` was handed to the tree."""
+        if end >= lease.grown_to:
+            return
+        floor = lease.cached // self.page_size
+        have, want = self._want(lease.grown_to, floor), self._want(end, floor)
+        spare = np.zeros_like(lease.own)
+        for row, (lo, hi) in enumerate(zip(want, have, strict=True)):
+            spare[row, lo:hi] = lease.own[row, lo:hi]
+        if spare.any():
+            self.cache.free({n: lease.table[row][spare[row]] for row, n in enumerate(self.names)})
+            lease.own[spare] = False
+            lease.table[spare] = -1
+            lease.version += 1
+        lease.grown_to = end
+
     # -------------------------------------------------------------- cache
     def cache_prefix(self, lease: Lease, tokens: np.ndarray | Sequence[int],
                      computed: int) -> None:
