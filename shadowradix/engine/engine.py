@@ -21,10 +21,10 @@ import torch
 
 from shadowradix.engine.cache_control import CacheControl
 from shadowradix.engine.config import CacheConfig, SamplingParams, SpecConfig
-from shadowradix.engine.drafters import TokenDrafter
 from shadowradix.engine.request import Request, Result, StepOutput
 from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Chunk, Scheduler
+from shadowradix.engine.speculator import Speculator
 from shadowradix.engine.transaction import Snapshot
 from shadowradix.engine.validation import checked_batch, model_layout
 from shadowradix.engine.verify import verify
@@ -72,11 +72,7 @@ class Engine:
         self.device = next(hf_model.parameters()).device
         self.config = config
         self.vocab_size = int(cfg.vocab_size)
-        self.spec = speculative
-        self.drafter = TokenDrafter(speculative, self.vocab_size) if speculative else None
-        k = speculative.num_draft_tokens if speculative else 0
-        self._spec: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                                      "accepted_per_position": [0] * k}
+        self.speculator = Speculator(speculative, self.vocab_size)
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         host_pages = config.host_tokens // config.page_size if config.host_tokens else None
@@ -272,8 +268,8 @@ class Engine:
         """One step; what it produced goes to the outbox as it is produced."""
         t_step = time.perf_counter()
         sched = self.scheduler
-        if self.drafter is not None:
-            self._draft()
+        if self.speculator.on:
+            self.speculator.draft(self.scheduler.running, self._fail)
         sched.admit()
         chunks = sched.plan()
         if chunks and self.host is not None:
@@ -299,10 +295,13 @@ class Engine:
             raise
         self._counters["forward_seconds"] += time.perf_counter() - t_forward
         self._counters["steps"] += 1
+        decided = self._decide_all(chunks, logits, snaps)
         for i, (c, rows) in enumerate(zip(chunks, logits, strict=True)):
+            if c.request.error is not None:
+                continue  # failed alone while its tokens were chosen
             try:
                 try:
-                    self._advance(c, rows)
+                    self._advance(c, rows, decided.get(c.request))
                 except Exception as e:  # its own booking failed: it fails alone
                     self._fail(c.request, e)
             except BaseException:  # an interrupt, or failing it failed: the rest stay pending
@@ -356,45 +355,75 @@ class Engine:
                 kv.c4.remap(lease.table[self.layout.index("c4")])
         return kv
 
-    def _advance(self, c: Chunk, rows: torch.Tensor) -> None:
-        """Book a chunk's forward: sample (verify the drafts) at the sequence end, put the
-        states back at the accepted row, cache its computed pages, finish. The counters
-        move last, once the booking held."""
+    def _decide_all(self, chunks: list[Chunk], logits: list[torch.Tensor],
+                    snaps: dict[Request, Snapshot]) -> dict[Request, tuple[list[int], int]]:
+        """Choose the tokens of every chunk that reached its sequence end (sampling,
+        verifying drafts) before anything is booked. A request whose choice raises fails
+        alone; an interrupt puts every other request back as it was before the step."""
+        decided = {}
+        for c, rows in zip(chunks, logits, strict=True):
+            if c.end < len(c.request.ids):
+                continue
+            try:
+                try:
+                    decided[c.request] = self._decide(c, rows)
+                except Exception as e:
+                    self._fail(c.request, e)
+            except BaseException:
+                for req, snap in snaps.items():
+                    if req.error is None:
+                        snap.restore_model(req)
+                        snap.restore_outputs(req)
+                raise
+        return decided
+
+    def _decide(self, c: Chunk, rows: torch.Tensor) -> tuple[list[int], int]:
+        """The tokens a chunk at its sequence end emits (its kept drafts, then the model's
+        own token, cut at the first that ends the answer) and how many drafts the model
+        agreed with. Changes nothing but the request's generator."""
         req = c.request
-        assert req.lease is not None
-        draft = req.draft[:max(c.end - len(req.ids), 0)]
-        if c.end < len(req.ids):  # a prefill chunk short of the end
-            req.computed = c.end
-            self.manager.cache_prefix(req.lease, req.ids, req.computed)
-            self._counters["prefill_tokens"] += c.end - c.start
-            return
+        draft = req.draft[:c.end - len(req.ids)]
         last = len(req.ids) - 1 - c.start  # the row after the last token fed
-        # Sampled first: it changes nothing the cache sees.
         banned = [self._banned(req, i) for i in range(len(draft) + 1)]
         if draft:
             tokens = verify(rows[last:], draft, req.params, req.generator, banned)
         else:
             tokens = [sample(rows[last], req.params, req.generator, banned[0])]
-        accepted = len(tokens) - 1  # the drafts kept (the last token is the model's own)
-        tokens = tokens[:self._ending(req, tokens)]
+        return tokens[:self._ending(req, tokens)], len(tokens) - 1
+
+    def _advance(self, c: Chunk, rows: torch.Tensor,
+                 decided: tuple[list[int], int] | None) -> None:
+        """Book a chunk's forward: put the states back at the accepted row, cache its
+        computed pages, take its tokens (`decided`: None for a prefill chunk short of the
+        end), finish. The counters move last, once the booking held."""
+        req = c.request
+        assert req.lease is not None
+        if decided is None:
+            req.computed = c.end
+            self.manager.cache_prefix(req.lease, req.ids, req.computed)
+            self._counters["prefill_tokens"] += c.end - c.start
+            return
+        tokens, agreed = decided
+        drafts = c.end - len(req.ids)
         computed = len(req.ids) + len(tokens) - 1  # the positions fed and kept
-        if draft:  # the rejected drafts' rows are forgotten
+        if drafts:  # the rejected drafts' rows are forgotten
             rewind_states(req.kv, computed - c.start)  # type: ignore[arg-type]
             self._forget_topk(req, c.end - computed)
         req.computed = computed
         self.manager.cache_prefix(req.lease, req.ids + tokens, computed)
         if req.keep_logits:  # copies: a view would keep the whole step's logits alive
+            last = len(req.ids) - 1 - c.start
             req.logits.extend(row.to("cpu", copy=True) for row in rows[last:last + len(tokens)])
         req.ids.extend(tokens)
         if self._finished(req):
             self.scheduler.finish(req)
             req.done = True
-        elif draft:  # pages grown for drafts the model rejected go back
+        elif drafts:  # pages grown for drafts the model rejected go back
             self.manager.shrink(req.lease, len(req.ids))
         decode = c.start >= req.prompt_len
         self._counters["decode_tokens" if decode else "prefill_tokens"] += computed - c.start
-        if draft:
-            self._count_drafts(len(draft), min(accepted, len(tokens)))
+        if drafts:
+            self.speculator.count(drafts, min(agreed, len(tokens)))
         self._report(req)
 
     def _ending(self, req: Request, tokens: list[int]) -> int:
@@ -419,29 +448,6 @@ class Engine:
         if rows and req.kv is not None and req.kv.topk is not None:
             for log in req.kv.topk.values():
                 del log[len(log) - rows:]
-
-    def _count_drafts(self, proposed: int, accepted: int) -> None:
-        spec = self._spec
-        spec["drafts"] += 1
-        spec["draft_tokens"] += proposed
-        spec["accepted_tokens"] += accepted
-        for i in range(accepted):
-            spec["accepted_per_position"][i] += 1
-
-    def _draft(self) -> None:
-        """Each decoding request's draft for this step, at most num_draft_tokens and never
-        past its max_new_tokens. A proposer that raises fails its request alone."""
-        assert self.drafter is not None and self.spec is not None
-        for req in list(self.scheduler.running):
-            req.draft = []
-            room = req.params.max_new_tokens - len(req.outputs) - 1
-            if not req.decoding or req.lease is None or room <= 0:
-                continue
-            try:
-                req.draft, req.draft_state = self.drafter.propose(
-                    req.ids, req.draft_state, min(self.spec.num_draft_tokens, room))
-            except Exception as e:
-                self._fail(req, e)
 
     def _report(self, req: Request) -> None:
         """Put the request's new tokens in the outbox (its result too once it is done).
@@ -551,27 +557,14 @@ class Engine:
             "copy_deferrals": self.scheduler.deferred,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "spec": self._spec_stats(),
+            "spec": self.speculator.stats(),
         }
-
-    def _spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding's counters (zeros and method None when it is off):
-        drafts (verify steps that carried a draft), draft_tokens, accepted_tokens,
-        accepted_per_position[i] (drafts whose (i+1)-th token was kept) and the mean
-        accepted length (tokens emitted per draft step, bonus included)."""
-        spec = self._spec
-        drafts = spec["drafts"]
-        return {"method": self.spec.method if self.spec else None,
-                "num_draft_tokens": self.spec.num_draft_tokens if self.spec else 0,
-                **spec, "accepted_per_position": list(spec["accepted_per_position"]),
-                "mean_accepted_length": (spec["accepted_tokens"] + drafts) / drafts
-                if drafts else None}
 
     def status(self) -> dict[str, Any]:
         """A cheap snapshot for a server's metrics, taken between steps on the engine's
         thread (unlike stats(), no tree walk): queue lengths, pages in use per tier and
         pool, preemptions, storage errors, bytes moved by direction, and HiSparse's
-        lookups (None when it is off)."""
+        lookups (None when it is off), and speculative decoding's counters."""
         pages = {"device": {n: p.used_pages for n, p in self._prefix.pools.items()}}
         if self._prefix.has_host:
             pages["host"] = {n: p.used_pages for n, p in self._prefix.host_pools.items()}
@@ -588,6 +581,7 @@ class Engine:
             "backup_bytes": {"host": host.get("device->host", 0),
                              "storage": store.bytes_written if store is not None else 0},
             "hisparse": self.hot.totals() if self.hot is not None else None,
+            "spec": self.speculator.stats(),
         }
 
     def max_sequence_len(self) -> int:
