@@ -34,6 +34,8 @@ from shadowradix.model.attention import CSA
 from shadowradix.model.compressor import rewind_states
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
+from shadowradix.model.mtp import MTPBlock, load_mtp
+from shadowradix.model.mtp_runner import MTPRunner
 from shadowradix.sparse import AccessStream
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.host_tier import HostTier
@@ -59,7 +61,8 @@ class Engine:
     """
 
     def __init__(self, hf_model: Any, config: CacheConfig, step_tokens: int = 512,
-                 record_topk: bool = False, speculative: SpecConfig | None = None) -> None:
+                 record_topk: bool = False, speculative: SpecConfig | None = None,
+                 mtp: Any = None) -> None:
         if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
             raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
         if not isinstance(record_topk, bool):
@@ -67,12 +70,15 @@ class Engine:
         if speculative is not None and not isinstance(speculative, SpecConfig):
             raise ValueError(f"speculative must be a SpecConfig or None, got {speculative!r}")
         self.record_topk = record_topk
-        self.layout = model_layout(hf_model, config.page_size)
+        mtp = _mtp_block(speculative, mtp, hf_model)
+        extra = [MTPRunner.layer_type] if mtp is not None else []
+        self.layout = model_layout(hf_model, config.page_size, extra)
         cfg = hf_model.config
         self.device = next(hf_model.parameters()).device
         self.config = config
         self.vocab_size = int(cfg.vocab_size)
-        self.speculator = Speculator(speculative, self.vocab_size)
+        self.speculator = Speculator(speculative, self.vocab_size,
+                                     MTPRunner(mtp, hf_model) if mtp is not None else None)
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         host_pages = config.host_tokens // config.page_size if config.host_tokens else None
@@ -88,14 +94,15 @@ class Engine:
                                    in_host_memory=resident)
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
-                                                  list(cfg.layer_types))
+                                                  [*cfg.layer_types, *extra])
         self.runner = DeepseekV4Runner(hf_model.eval())
         self.hot = self._hot_buffers(config)
         self.storage = None
         if config.storage is not None:
             backend = open_storage(config.storage, config.storage_cap_bytes,
                                    secret=config.storage_secret)
-            self.storage = StorageTier(backend, self._prefix, model_fingerprint(hf_model))
+            self.storage = StorageTier(backend, self._prefix,
+                                       model_fingerprint(hf_model, *filter(None, [mtp])))
         self.host = None
         if host_pages is not None:
             self.host = HostTier(self._prefix, mover_for(self._prefix.tensor, self.device),
@@ -147,11 +154,19 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, config: CacheConfig, dtype: torch.dtype = torch.float32,
                         device: str = "cpu", **kwargs: Any) -> Engine:
-        """Load an HF-format checkpoint directory (config.json + safetensors)."""
+        """Load an HF-format checkpoint directory (config.json + safetensors); with
+        speculative=SpecConfig("mtp"), also its MTP block (the `mtp.0.*` tensors)."""
         from transformers import DeepseekV4ForCausalLM
 
         model: Any = DeepseekV4ForCausalLM.from_pretrained(path, dtype=dtype)
         model = model.to(device)
+        spec = kwargs.get("speculative")
+        if isinstance(spec, SpecConfig) and spec.method == "mtp" and kwargs.get("mtp") is None:
+            block = load_mtp(path, model.config, dtype)
+            if block is None:
+                raise ValueError(f"{path}: the checkpoint has no MTP block (no mtp.0.* "
+                                 f"tensors), which speculative method 'mtp' needs")
+            kwargs["mtp"] = block.to(device)
         return cls(model, config, **kwargs)
 
     # ------------------------------------------------------------ online core
@@ -285,10 +300,15 @@ class Engine:
             return
         snaps = {c.request: Snapshot.take(c.request, c.end >= len(c.request.ids))
                  for c in chunks}
+        spec = self.speculator
         try:
-            segments = [self._segment(c) for c in chunks]
             t_forward = time.perf_counter()
-            logits = self.runner.forward_batch(segments, self.store)
+            if spec.mtp is not None:  # its drafts 2..k, once the pages are there
+                for c in chunks:
+                    self._page_tables(c.request)
+                spec.chain(chunks, self.store)
+            segments = [self._segment(c) for c in chunks]
+            logits, hidden = self.runner.forward_hidden(segments, self.store)
         except BaseException:  # the step as a whole failed: put every request back
             for req, snap in snaps.items():
                 snap.restore_model(req)
@@ -296,11 +316,25 @@ class Engine:
         self._counters["forward_seconds"] += time.perf_counter() - t_forward
         self._counters["steps"] += 1
         decided = self._decide_all(chunks, logits, snaps)
+        drafts: dict[Request, Any] = {}
+        if spec.mtp is not None:  # the block's KV at every kept position, before caching
+            t_forward = time.perf_counter()
+            try:
+                drafts = spec.catch_up(chunks, hidden, decided, self.store)
+            except BaseException:
+                for req, snap in snaps.items():
+                    if req.error is None:
+                        snap.restore_model(req)
+                        snap.restore_outputs(req)
+                raise
+            self._counters["forward_seconds"] += time.perf_counter() - t_forward
         for i, (c, rows) in enumerate(zip(chunks, logits, strict=True)):
             if c.request.error is not None:
                 continue  # failed alone while its tokens were chosen
             try:
                 try:
+                    if c.request in drafts:
+                        c.request.draft_state = drafts[c.request]
                     self._advance(c, rows, decided.get(c.request))
                 except Exception as e:  # its own booking failed: it fails alone
                     self._fail(c.request, e)
@@ -614,6 +648,23 @@ class Engine:
             self.host.mover.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _mtp_block(spec: SpecConfig | None, mtp: Any, hf_model: Any) -> Any:
+    """The MTP block speculative method "mtp" drafts with (None for any other method)."""
+    if spec is None or spec.method != "mtp":
+        if mtp is not None:
+            raise ValueError("mtp: an MTP block is given, but speculative is not "
+                             "SpecConfig(method='mtp')")
+        return None
+    if mtp is None:
+        raise ValueError("speculative method 'mtp' needs the checkpoint's MTP block: load "
+                         "with Engine.from_pretrained(DIR, ..., speculative=...) or pass "
+                         "mtp=MTPBlock (shadowradix.model.mtp.load_mtp)")
+    if not isinstance(mtp, MTPBlock) or mtp.layer_idx != hf_model.config.num_hidden_layers:
+        raise ValueError(f"mtp must be an MTPBlock built for this model's config, got "
+                         f"{type(mtp).__name__}")
+    return mtp
 
 
 def _reads_any(lease: Lease, names: Sequence[str], pages: dict[str, np.ndarray]) -> bool:

@@ -15,7 +15,7 @@ from shadowradix.layout.spec import KVLayout
 from shadowradix.model.dtypes import kv_dtypes
 
 
-def model_layout(hf_model: Any, page_size: int) -> KVLayout:
+def model_layout(hf_model: Any, page_size: int, extra_layers: Sequence[str] = ()) -> KVLayout:
     """The pools a DeepSeek-V4 model needs, each in the dtype its KV form is computed in
     (a bfloat16 checkpoint keeps its compress state in float32: `kv_dtypes`).
     Raises ValueError for anything that is not a DeepSeek-V4 model."""
@@ -27,7 +27,7 @@ def model_layout(hf_model: Any, page_size: int) -> KVLayout:
         raise ValueError(f"expected a DeepSeek-V4 causal LM (transformers' "
                          f"DeepseekV4ForCausalLM), got {got}")
     dtypes = {name: str(d).removeprefix("torch.") for name, d in kv_dtypes(hf_model).items()}
-    return deepseek_v4(cfg, page_size, dtypes["swa"], dtypes=dtypes)
+    return deepseek_v4(cfg, page_size, dtypes["swa"], dtypes=dtypes, extra_layers=extra_layers)
 
 
 def check_batch(prompts: Sequence[Sequence[int]],

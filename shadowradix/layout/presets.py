@@ -8,7 +8,7 @@ transformers, so the tree and the simulator stay torch-free.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +29,8 @@ DEEPSEEK_V4_POOLS = ("swa", "c4", "c4_index", "c128", "state")
 
 
 def deepseek_v4(hf_config: Any, page_size: int = 256, dtype: str = "bfloat16",
-                name: str = "deepseek-v4", dtypes: Mapping[str, str] | None = None) -> KVLayout:
+                name: str = "deepseek-v4", dtypes: Mapping[str, str] | None = None,
+                extra_layers: Sequence[str] = ()) -> KVLayout:
     """The five pools of DeepSeek-V4 (DESIGN.md §1), counted over the config's layer types.
 
     swa       every layer: K (= V) of the last W-1 tokens, `head_dim` wide.
@@ -47,6 +48,8 @@ def deepseek_v4(hf_config: Any, page_size: int = 256, dtype: str = "bfloat16",
     `dtypes` overrides `dtype` per pool, for a model whose KV forms are computed in
     different dtypes (a bfloat16 DeepSeek-V4 keeps its compress state in float32);
     names of pools the config lacks are ignored.
+    `extra_layers`: the types of layers after the config's own (an MTP block's attention,
+    whose KV lives in the same pools).
     """
     unknown_pools = set(dtypes or ()) - set(DEEPSEEK_V4_POOLS)
     if unknown_pools:
@@ -55,15 +58,17 @@ def deepseek_v4(hf_config: Any, page_size: int = 256, dtype: str = "bfloat16",
     if dtype == "fp8":
         if dtypes:
             raise ValueError("dtype 'fp8' fixes every pool's record; pass no dtypes with it")
-        return _fp8(deepseek_v4(hf_config, page_size, "bfloat16", name))
-    types = Counter(hf_config.layer_types)
+        return _fp8(deepseek_v4(hf_config, page_size, "bfloat16", name,
+                                extra_layers=extra_layers))
+    layer_types = [*hf_config.layer_types, *extra_layers]
+    types = Counter(layer_types)
     unknown = set(types) - {SWA, CSA, HCA}
     if unknown:
         raise ValueError(f"unknown DeepSeek-V4 layer types {sorted(unknown)}")
     rates = hf_config.compress_rates
     r4, r128 = int(rates[CSA]), int(rates[HCA])
     hd, ihd = int(hf_config.head_dim), int(hf_config.index_head_dim)
-    n_layers = len(hf_config.layer_types)
+    n_layers = len(layer_types)
     pools = [PoolSpec("swa", 1, Retention.WINDOW, (hd,), dtype, n_layers,
                       window=int(hf_config.sliding_window))]
     if types[CSA]:

@@ -29,19 +29,23 @@ _NOT_KV = {"transformers_version", "use_cache", "return_dict", "output_attention
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def model_fingerprint(hf_model: Any) -> str:
-    """A 128-bit hex digest of `hf_model`'s config and weights (see the module docstring).
-    Reads at most SAMPLES elements of each tensor; does not change the model."""
+def model_fingerprint(hf_model: Any, *more: Any) -> str:
+    """A 128-bit hex digest of `hf_model`'s config and weights (see the module docstring),
+    and of each module in `more` (an MTP block, whose KV the pages also hold). Reads at
+    most SAMPLES elements of each tensor; does not change the model."""
     h = xxhash.xxh3_128()
-    h.update(_config_text(hf_model.config).encode())
-    tensors = dict(hf_model.named_parameters())
-    tensors.update(dict(hf_model.named_buffers()))
-    names = sorted(tensors)
-    samples = _gather([_sample(tensors[name].detach()) for name in names])
-    for name, sample in zip(names, samples, strict=True):
-        t = tensors[name]
-        h.update(f"\n{name}:{tuple(t.shape)}:{t.dtype}:".encode())
-        h.update(sample)
+    for i, model in enumerate((hf_model, *more)):
+        if i:
+            h.update(f"\n--- module {i}\n".encode())
+        h.update(_config_text(model.config).encode())
+        tensors = dict(model.named_parameters())
+        tensors.update(dict(model.named_buffers()))
+        names = sorted(tensors)
+        samples = _gather([_sample(tensors[name].detach()) for name in names])
+        for name, sample in zip(names, samples, strict=True):
+            t = tensors[name]
+            h.update(f"\n{name}:{tuple(t.shape)}:{t.dtype}:".encode())
+            h.update(sample)
     return h.hexdigest()
 
 
