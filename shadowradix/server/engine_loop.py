@@ -125,7 +125,10 @@ class EngineLoop:
         try:
             self.engine = self.build()
         except BaseException as e:
-            log.exception("the model failed to load")
+            if isinstance(e, ValueError):  # the engine refused the model or the flags: say why
+                log.error("the model failed to load: %s", e)
+            else:
+                log.exception("the model failed to load")
             self.load_error = e
             self.ready.set()
             return

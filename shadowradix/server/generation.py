@@ -8,7 +8,9 @@ client goes away (all are aborted, so their pages are freed before the next step
 Tokens are counted (usage, and the generation_tokens metric) where they are handed to
 the client, so the two always agree: an EOS or stop token id counts (it is the last of
 the output ids, as in vLLM, though never in the text), and tokens the engine made after
-a stop string, before our abort reached it, do not.
+a stop string, before our abort reached it, do not, nor do those after it in the same
+step (speculative decoding releases several tokens a step): an answer ends at the same
+token, with the same text and count, whether its tokens came one or several at a time.
 """
 
 from __future__ import annotations
@@ -201,11 +203,17 @@ class Generation:
         elif c.last_token is not None:
             c.gaps.append(now - c.last_token)
         c.last_token = now
+        # One step may bring several tokens (speculative decoding: the accepted drafts and
+        # the model's own). The engine cuts them at EOS, a stop id and max tokens; a stop
+        # string inside them cuts here, at the token that completed it.
         new = list(out.new_token_ids)
+        stop_id = out.finished and bool(new) and new[-1] in self.opts.stop_token_ids
+        held = len(c.text.ids)
+        piece = c.text.add(new[:-1] if stop_id else new)  # a stop id is never text
+        if c.text.stopped is not None:
+            new = new[:len(c.text.ids) - held]
         c.token_ids += new
         self._taken += len(new)
-        stop_id = out.finished and bool(new) and new[-1] in self.opts.stop_token_ids
-        piece = c.text.add(new[:-1] if stop_id else new)  # a stop id is never text
         if c.text.stopped is not None:
             c.matched = c.text.stopped
             self._end(c, "stop")

@@ -81,4 +81,16 @@ def engine_settings(engine: Any) -> dict[str, Any]:
             "hisparse_buffer": c.hisparse_buffer,
             "hisparse_requests": engine.hot.requests if engine.hot is not None else None,
             "chunked_prefill_size": engine.scheduler.step_tokens,
-            "kv_pools": [p.name for p in engine.layout.pools], "device": str(engine.device)}
+            "kv_pools": [p.name for p in engine.layout.pools], "device": str(engine.device),
+            **spec_settings(engine.speculator.config)}
+
+
+def spec_settings(spec: Any) -> dict[str, Any]:
+    """Speculative decoding as the engine was given it (a SpecConfig, or None: off), under
+    SGLang's server_args names; every one is None when it is off, the window when not
+    ngram."""
+    ngram = spec is not None and spec.method == "ngram"
+    return {"speculative_algorithm": spec.method if spec is not None else None,
+            "speculative_num_draft_tokens": spec.num_draft_tokens if spec is not None else None,
+            "speculative_ngram_min_match_window_size": spec.ngram_min if ngram else None,
+            "speculative_ngram_max_match_window_size": spec.ngram_max if ngram else None}

@@ -8,7 +8,7 @@ are observed by the HTTP side when a request ends.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,7 +29,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    """`num_draft_tokens`: speculative decoding's K (0: off, and no spec_decode series, as
+    in vLLM, which registers them only when speculative decoding is on)."""
+
+    def __init__(self, model_name: str, num_draft_tokens: int = 0) -> None:
         self.registry = CollectorRegistry()
         r, name = self.registry, ["model_name"]
 
@@ -70,7 +73,8 @@ class ServerMetrics:
                                 "tier and pool.", "tier", "pool")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
                               TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens.",
+        self.itl = histogram("inter_token_latency_seconds", "Between consecutive deliveries "
+                             "of tokens (one a step, several with speculative decoding).",
                              ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end.",
                              REQUEST_LATENCY_BUCKETS)
@@ -89,6 +93,9 @@ class ServerMetrics:
             self.loaded_bytes.labels(model_name, tier)
             self.backup_bytes.labels(model_name, tier)
         self._last: dict[str, float] = {}
+        self.spec: SpecMetrics | None = None
+        if num_draft_tokens:
+            self.spec = SpecMetrics(counter, model_name, num_draft_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -115,6 +122,9 @@ class ServerMetrics:
                 self._advance(self.hisparse_lookups.labels(m, result), f"hs:{key}", hs[key])
             self._advance(self.hisparse_bytes.labels(m), "hs:bytes", hs["bytes_moved"])
             self.hisparse_in_use.labels(m).set(hs["in_use"])
+        spec = status.get("spec")
+        if self.spec is not None and spec is not None:
+            self.spec.advance(self._advance, spec)
 
     def _advance(self, counter: Any, key: str, total: float) -> None:
         delta = total - self._last.get(key, 0)
@@ -145,3 +155,40 @@ class ServerMetrics:
         itl = self.itl.labels(m)
         for gap in gaps:
             itl.observe(gap)
+
+
+class SpecMetrics:
+    """Speculative decoding's counters, vLLM's (`vllm:spec_decode_*`) under our prefix, so
+    its PromQL reads them: acceptance rate = rate(num_accepted_tokens) /
+    rate(num_draft_tokens); mean accepted length = 1 + rate(num_accepted_tokens) /
+    rate(num_drafts); per-position acceptance = num_accepted_tokens_per_pos / num_drafts.
+    A draft is one verify step of one request that carried draft tokens; position i
+    (0-based) counts the drafts whose (i+1)-th token was kept."""
+
+    def __init__(self, counter: Any, model_name: str, num_draft_tokens: int) -> None:
+        m = model_name
+        self.drafts = counter("spec_decode_num_drafts", "Speculative decoding: drafts "
+                              "verified (one per request and step that carried drafts).")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: "
+                                    "draft tokens verified.")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: "
+                                "draft tokens accepted (kept in the output).")
+        self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Speculative "
+                               "decoding: accepted tokens per draft position (0-based).",
+                               "position")
+        self.model_name = m
+        for metric in (self.drafts, self.draft_tokens, self.accepted):
+            metric.labels(m)
+        self.positions = [self.per_pos.labels(m, str(i)) for i in range(num_draft_tokens)]
+
+    def advance(self, advance: Callable[[Any, str, float], None],
+                spec: Mapping[str, Any]) -> None:
+        """Move the counters by what the engine's cumulative totals in `spec` (its
+        `stats()["spec"]` shape) say changed, through ServerMetrics._advance."""
+        m = self.model_name
+        advance(self.drafts.labels(m), "spec:drafts", spec["drafts"])
+        advance(self.draft_tokens.labels(m), "spec:draft_tokens", spec["draft_tokens"])
+        advance(self.accepted.labels(m), "spec:accepted_tokens", spec["accepted_tokens"])
+        for i, (counter, n) in enumerate(zip(self.positions, spec["accepted_per_position"],
+                                             strict=False)):
+            advance(counter, f"spec:pos:{i}", n)

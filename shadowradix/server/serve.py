@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the command line parses its arguments without importing torch
+    from shadowradix.engine.config import SpecConfig
     from shadowradix.server.runtime import Limits, Runtime
 
 from shadowradix.flags import (
     checked,
+    int_range,
     non_negative_float,
     non_negative_int,
     port,
@@ -90,12 +92,74 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                     help="seconds a shutdown waits for requests in flight before aborting")
     add_limit_arguments(ap)
+    add_spec_arguments(ap)
     ap.add_argument("--allow-special-tokens-in-content", action="store_true",
                     help="special-token text inside chat messages is encoded as those special "
                     "tokens (by default it is plain text, so a client cannot forge a turn)")
 
 
 SECRET_ENV = "SHADOWRADIX_STORAGE_SECRET"
+SPEC_ALGORITHMS = ("ngram", "mtp")
+SPEC_ALIASES = {"nextn": "mtp"}  # SGLang's name for a checkpoint's own MTP layers
+NGRAM_WINDOW = ("--speculative-ngram-min-match-window-size",
+                "--speculative-ngram-max-match-window-size")
+
+
+def _spec_algorithm(name: str) -> str:
+    """--speculative-algorithm's value, in any case (SGLang writes NGRAM)."""
+    value = SPEC_ALIASES.get(name.strip().lower(), name.strip().lower())
+    if value not in SPEC_ALGORITHMS:
+        raise ValueError(f"must be ngram or mtp (or SGLang's NEXTN, the same as mtp), "
+                         f"got {name!r}")
+    return value
+
+
+def add_spec_arguments(ap: argparse.ArgumentParser) -> None:
+    """Speculative decoding, under SGLang's flag names. Off unless --speculative-algorithm
+    is given; the others without it are refused (spec_config), never ignored."""
+    ap.add_argument("--speculative-algorithm", type=checked(_spec_algorithm), default=None,
+                    metavar="ngram|mtp", help="speculative decoding (default: off): ngram "
+                    "(prompt lookup: drafts from the request's own earlier tokens) or mtp "
+                    "(the checkpoint's MTP block; SGLang's NEXTN); any case")
+    ap.add_argument("--speculative-num-draft-tokens", type=int_range(1, 64), default=None,
+                    metavar="K", help="draft tokens one step verifies per request, in [1, 64] "
+                    "(default: 3); a step then releases up to K + 1 tokens")
+    ap.add_argument(NGRAM_WINDOW[0], type=positive_int, default=None, metavar="N",
+                    help="ngram: the shortest suffix of a request's tokens looked up (default 1)")
+    ap.add_argument(NGRAM_WINDOW[1], type=positive_int, default=None, metavar="N",
+                    help="ngram: the longest suffix looked up, tried first (default 3)")
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig | None:
+    """The engine's SpecConfig from the speculative flags (None: off). ValueError naming
+    the flags for a combination the parser cannot see: a speculative flag without
+    --speculative-algorithm, an ngram window with mtp, a window whose min exceeds its max."""
+    from shadowradix.engine.config import SpecConfig
+
+    algorithm = getattr(args, "speculative_algorithm", None)
+    k = getattr(args, "speculative_num_draft_tokens", None)
+    lo = getattr(args, "speculative_ngram_min_match_window_size", None)
+    hi = getattr(args, "speculative_ngram_max_match_window_size", None)
+    given = [flag for flag, value in (("--speculative-num-draft-tokens", k),
+                                      (NGRAM_WINDOW[0], lo), (NGRAM_WINDOW[1], hi))
+             if value is not None]
+    if algorithm is None:
+        if given:
+            raise ValueError(f"{given[0]} needs --speculative-algorithm (ngram or mtp); "
+                             f"without it speculative decoding is off")
+        return None
+    window = [flag for flag in given if flag in NGRAM_WINDOW]
+    if algorithm != "ngram" and window:
+        raise ValueError(f"{window[0]} is for --speculative-algorithm ngram, not {algorithm}")
+    defaults = SpecConfig()
+    lo = defaults.ngram_min if lo is None else lo
+    hi, default_hi = (defaults.ngram_max, ", its default") if hi is None else (hi, "")
+    if lo > hi:
+        raise ValueError(f"{NGRAM_WINDOW[0]} ({lo}) must be <= {NGRAM_WINDOW[1]} "
+                         f"({hi}{default_hi})")
+    return SpecConfig(method=algorithm,
+                      num_draft_tokens=defaults.num_draft_tokens if k is None else k,
+                      ngram_min=lo, ngram_max=hi)
 
 
 def storage_secret(args: argparse.Namespace) -> bytes | None:
@@ -195,6 +259,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
                          f"(no config.json there)")
     if args.max_queue is not None and args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    speculative = spec_config(args)
     page = args.page_size if args.page_size is not None else (16 if tiny else 256)
     device = args.device_tokens if args.device_tokens is not None else 2048 * page
     config = CacheConfig(page_size=page, device_tokens=device,
@@ -206,7 +271,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
                          hisparse_buffer=args.hisparse_buffer,
                          hisparse_requests=args.hisparse_requests)
     name = args.served_model_name or ("tiny" if tiny else Path(args.model).resolve().name)
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, speculative.num_draft_tokens if speculative else 0)
     runtime = Runtime(loop=None, metrics=metrics, model_name=name,  # type: ignore[arg-type]
                       root=args.model, api_key=args.api_key,
                       specials_in_content=args.allow_special_tokens_in_content,
@@ -225,13 +290,15 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
             from shadowradix.server.tokenizer import tiny_tokenizer
 
             hf = tiny_deepseek_v4().to(dtype=dtype, device=args.device)
-            engine = Engine.from_hf(hf, config, step_tokens=args.step_tokens)
+            engine = Engine.from_hf(hf, config, step_tokens=args.step_tokens,
+                                    speculative=speculative)
             runtime.tokenizer = tiny_tokenizer(engine.vocab_size)
         else:
             from shadowradix.server.tokenizer import load_tokenizer
 
             engine = Engine.from_pretrained(args.model, config, dtype, args.device,
-                                            step_tokens=args.step_tokens)
+                                            step_tokens=args.step_tokens,
+                                            speculative=speculative)
             runtime.tokenizer = load_tokenizer(args.model)
         runtime.vocab_size = engine.vocab_size
         runtime.eos = frozenset(engine.eos)

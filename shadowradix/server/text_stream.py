@@ -42,10 +42,20 @@ class TextStream:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new tokens; returns the text now safe to send ('' if none). After a stop
-        string appears, `stopped` is set and nothing more is released."""
-        if self.stopped is not None:
-            return ""
-        self.ids.extend(token_ids)
+        string appears, `stopped` is set and nothing more is taken or released.
+
+        Several tokens at once (a speculative step) are taken one by one, exactly as if each
+        came alone: the tokens after the one a stop string completed at are not taken (so
+        `len(ids)` counts the answer's tokens), and min_tokens' floor falls where it would."""
+        pieces = []
+        for token in token_ids:
+            if self.stopped is not None:
+                break
+            pieces.append(self._add_one(token))
+        return "".join(pieces)
+
+    def _add_one(self, token: int) -> str:
+        self.ids.append(token)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
         if len(after) > len(before) and not after.endswith(INCOMPLETE):
