@@ -69,14 +69,27 @@ def batch(rng: random.Random, part: str, size: int, length: int) -> torch.Tensor
     return torch.tensor(rows, dtype=torch.long)
 
 
-def losses(model: Any, mtp: MTPBlock, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(trunk next-token loss, MTP loss on the token two ahead) for ids [B, T]."""
+def losses(model: Any, mtp: MTPBlock, ids: torch.Tensor,
+           chain: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(trunk next-token loss, MTP loss on the token two ahead) for ids [B, T]. With
+    `chain` > 1 the MTP loss is the mean over `chain` passes, pass s feeding the block its
+    own output hidden of pass s - 1 one position on (as chained drafting does: draft s
+    comes from the block's hidden at draft s - 1, not the trunk's)."""
     logits, hidden = trunk_forward(model, ids)
     trunk = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    mtp_logits, _ = mtp.reference_forward(hidden[:, :-1], ids[:, 1:], model.model.embed_tokens,
-                                          model.lm_head)
+    embed, head = model.model.embed_tokens, model.lm_head
+    mtp_logits, out = mtp.reference_forward(hidden[:, :-1], ids[:, 1:], embed, head)
     mtp_loss = F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
-    return trunk, mtp_loss
+    for s in range(2, chain + 1):  # positions s-1 .. : hidden from the last pass, one back
+        n = out.shape[1] - 1
+        if n < 2:
+            break
+        pos = torch.arange(s - 1, s - 1 + n, device=ids.device)[None].expand(ids.shape[0], -1)
+        mtp_logits, out = mtp.reference_forward(out[:, :-1], ids[:, s:s + n], embed, head,
+                                                position_ids=pos)
+        mtp_loss = mtp_loss + F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1),
+                                              ids[:, s + 1:s + n].flatten())
+    return trunk, mtp_loss / chain
 
 
 @torch.no_grad()
@@ -143,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=96)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--mtp-chain", type=int, default=3,
+                    help="MTP passes per batch, each fed the block's own hidden (1: DeepSeek's "
+                         "single-step loss; more: trained for chained drafts)")
     ap.add_argument("--quick", action="store_true", help="20 steps, small eval (for tests)")
     args = ap.parse_args(argv)
     steps = 20 if args.quick else args.steps
@@ -157,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     every = 5 if args.quick else 25
     for step in range(1, steps + 1):
-        trunk, mtp_loss = losses(model, mtp, batch(rng, "train", args.batch, args.length))
+        trunk, mtp_loss = losses(model, mtp, batch(rng, "train", args.batch, args.length),
+                                 args.mtp_chain)
         loss = trunk + args.mtp_weight * mtp_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

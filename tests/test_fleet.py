@@ -121,7 +121,8 @@ def test_the_router_and_its_metrics_listen_on_the_fleets_host_alone():
     for argv, says in [(["--host", "localhost"], "--host must be an IP address"),
                        (["--port", "9000", "--router-metrics-port", "9000"], "must differ"),
                        (["--router-args=--prometheus-port 29000"], "--prometheus-port is"),
-                       (["--router-args=--host=0.0.0.0"], "--host is the fleet's own")]:
+                       (["--router-args=--host=0.0.0.0"], "--host is the fleet's own"),
+                       (["--speculative-num-draft-tokens", "3"], "--speculative-algorithm")]:
         with pytest.raises(ValueError, match=says):
             _check(ap.parse_args(["--model", "tiny", *argv]))
 

@@ -658,9 +658,9 @@ def _mtp_block(spec: SpecConfig | None, mtp: Any, hf_model: Any) -> Any:
                              "SpecConfig(method='mtp')")
         return None
     if mtp is None:
-        raise ValueError("speculative method 'mtp' needs the checkpoint's MTP block: load "
-                         "with Engine.from_pretrained(DIR, ..., speculative=...) or pass "
-                         "mtp=MTPBlock (shadowradix.model.mtp.load_mtp)")
+        raise ValueError("speculative method 'mtp' needs the model's MTP block, and this "
+                         "model has none (no mtp.0.* tensors); a checkpoint directory with "
+                         "them loads it (Engine.from_pretrained), or pass mtp=MTPBlock")
     if not isinstance(mtp, MTPBlock) or mtp.layer_idx != hf_model.config.num_hidden_layers:
         raise ValueError(f"mtp must be an MTPBlock built for this model's config, got "
                          f"{type(mtp).__name__}")

@@ -49,6 +49,7 @@ from shadowradix.flags import port, positive_float, positive_int
 from shadowradix.server.fleet_output import Output, forward, stderr_fd
 from shadowradix.server.fleet_ports import PortError, http_url, listen_addresses, pick_ports
 from shadowradix.server.serve import add_arguments as add_serve_arguments
+from shadowradix.server.serve import spec_config
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 # Router flags the fleet sets itself (and announces, and checks the router listens on).
@@ -332,6 +333,7 @@ def _check(args: argparse.Namespace) -> None:
                          f"got {args.host!r}: e.g. 127.0.0.1, 0.0.0.0 or ::1") from None
     if args.port and args.port == args.router_metrics_port:
         raise ValueError(f"--router-metrics-port must differ from --port ({args.port})")
+    spec_config(args)  # a speculative flag combination every instance would refuse
     for word in shlex.split(args.router_args):
         # The router's parser (argparse) takes any unambiguous abbreviation of a flag
         # (`--hos 0.0.0.0` is --host), and the last of a flag given twice wins.
