@@ -43,6 +43,8 @@ bench: install
 	$(BIN)/python benchmarks/fleet.py --json out/fleet.json
 	$(BIN)/python benchmarks/hisparse_replay.py --json out/hisparse_replay.json
 	$(BIN)/python benchmarks/hisparse.py --json out/hisparse.json
+	test -f out/tiny_mtp/config.json || $(BIN)/python benchmarks/train_tiny.py --out out/tiny_mtp
+	$(BIN)/python benchmarks/spec_decode.py --model out/tiny_mtp --json out/spec_decode.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -19,6 +19,10 @@
    a mixed batch with a second turn served from the host tier (after a device flush) and
    from storage, against HiSparse off on the same device and against transformers; the
    hit rate and bytes moved, and decode step time on / off.
+6. Speculative decoding on the device: ngram, MTP (a random MTP block) and an oracle
+   drafter (always right) at K = 3 and 7, with HiSparse and the host tier on, against
+   speculation off (identical greedy tokens) and transformers; acceptance and wall time
+   per generated token against off.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from test_engine import rand_tokens
 from tiers import loadback_ratio
 from tiny_model import greedy_tokens, reference_logits, tiny_model
 
-from shadowradix import CacheConfig, Engine, SamplingParams
+from shadowradix import CacheConfig, Engine, SamplingParams, SpecConfig
+from shadowradix.model.mtp import random_mtp
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
@@ -183,6 +188,52 @@ def hisparse(device: torch.device, workdir: Path) -> dict:
             "forward_ms_per_step": {m: v * 1e3 for m, v in seconds.items()}}
 
 
+def speculative(device: torch.device) -> dict:
+    model = tiny_model().to(device)
+    block = random_mtp(model.config, seed=1).to(device)
+    prompts = [rand_tokens(n, 900 + n) for n in (20, 90, 150, 233)]
+    prompts[0] = prompts[0][:10] * 6  # repetition: the n-gram drafter has something to find
+    p = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    cfg = CacheConfig(page_size=16, device_tokens=2048, host_tokens=4096, hisparse_buffer=5,
+                      hisparse_requests=8)
+
+    def run(spec: SpecConfig | None) -> tuple[list, dict, float]:
+        eng = Engine.from_hf(model, cfg, speculative=spec,
+                             mtp=block if spec is not None and spec.method == "mtp" else None)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        results = eng.generate(prompts, p, return_logits=True)
+        st = eng.stats()
+        eng.check_integrity()
+        eng.close()
+        return results, st, st["step_seconds"] / sum(len(r.output_ids) for r in results)
+
+    base, base_st, base_s = run(None)
+    truth = [t + r.output_ids for t, r in zip(prompts, base, strict=True)]
+
+    def oracle(tokens: list[int], k: int) -> list[int]:
+        full = next(f for f in truth if f[:len(tokens)] == list(tokens))
+        return full[len(tokens):len(tokens) + k]
+
+    out = {"off": {"steps": base_st["steps"], "ms_per_token": base_s * 1e3}}
+    for name, spec in (("ngram-3", SpecConfig("ngram", 3)), ("mtp-3", SpecConfig("mtp", 3)),
+                       ("oracle-7", SpecConfig("custom", 7, proposer=oracle))):
+        results, st, secs = run(spec)
+        ref_diff = 0.0
+        for t, r in zip(prompts, results, strict=True):
+            n = len(r.output_ids)
+            ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
+            ref_diff = max(ref_diff, (ref.cpu() - r.logits).abs().max().item())
+        out[name] = {"tokens_identical": all(a.output_ids == b.output_ids
+                                             for a, b in zip(base, results, strict=True)),
+                     "max_logit_diff": ref_diff, "steps": st["steps"],
+                     "mean_accepted_length": st["spec"]["mean_accepted_length"],
+                     "draft_tokens": st["spec"]["draft_tokens"],
+                     "accepted_tokens": st["spec"]["accepted_tokens"],
+                     "ms_per_token": secs * 1e3, "vs_off": secs / base_s}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
@@ -196,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                   "online": online(device),
                   "served": served(device),
                   "hisparse": hisparse(device, Path(tmp)),
+                  "speculative": speculative(device),
                   "loadback": loadback_ratio(str(device))}
     ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
     ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
@@ -204,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     hs = result["hisparse"]
     ok = ok and hs["tokens_identical"] and hs["max_diff_vs_off"] <= 1e-6 and (
         hs["max_logit_diff"] <= 1e-4) and hs["c4_pinned"] == (device.type == "cuda")
+    spec = result["speculative"]
+    ok = ok and all(v["tokens_identical"] and v["max_logit_diff"] <= 1e-4
+                    for k, v in spec.items() if k != "off")
+    ok = ok and spec["oracle-7"]["accepted_tokens"] == spec["oracle-7"]["draft_tokens"]
     result["ok"] = ok
     print(f"device {device}")
     for key, v in result["exactness"].items():
@@ -220,6 +276,16 @@ def main(argv: list[str] | None = None) -> int:
           f"transformers {hs['max_logit_diff']:.1e}; hit rate {hs['hit_rate']:.2f}, "
           f"{hs['bytes_moved']:,} B moved; forward {ms['on']:.1f} vs {ms['off']:.1f} ms/step; "
           f"C4 pool pinned: {hs['c4_pinned']}")
+    for key, v in spec.items():
+        if key == "off":
+            print(f"  speculative off            {v['steps']} steps, {v['ms_per_token']:.1f} "
+                  f"ms/token")
+            continue
+        print(f"  speculative {key:14} identical: {v['tokens_identical']}, max |logit diff| "
+              f"{v['max_logit_diff']:.1e}; {v['steps']} steps, accepted "
+              f"{v['accepted_tokens']}/{v['draft_tokens']} (mean length "
+              f"{v['mean_accepted_length'] or 0:.2f}); {v['ms_per_token']:.1f} ms/token "
+              f"({v['vs_off']:.2f}x off)")
     lb = result["loadback"]
     for case in ("consecutive", "scattered"):
         print(f"  load-back {case:11} {lb[case]['ratio']:.2f}x raw ({lb[case]['GBps']:.1f} vs "
