@@ -432,9 +432,9 @@ def test_ngram_under_tight_limits_answers_as_the_plain_server(extra):
     with ServerThread.from_args(*flags) as plain:
         ref = [gen(plain, body(p))["output_ids"] for p in prompts]
     with ServerThread.from_args(*flags, "--speculative-algorithm", "ngram",
-                                "--speculative-num-draft-tokens", "7") as spec:
-        with ThreadPoolExecutor(4) as pool:
-            outs = list(pool.map(lambda p: gen(spec, body(p))["output_ids"], prompts))
+                                "--speculative-num-draft-tokens", "7") as spec, \
+            ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: gen(spec, body(p))["output_ids"], prompts))
     assert outs == ref
 
 
