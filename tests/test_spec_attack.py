@@ -202,3 +202,26 @@ def test_an_interrupt_booking_a_verify_step_across_a_page_end_stays_an_interrupt
     assert r.output_ids == want
     ref = reference_logits(model, p + want)[len(p) - 1:]
     assert (ref - r.logits).abs().max().item() <= TOL
+
+
+# ------------------------------------------------------------------- scheduling
+def test_drafts_in_a_small_window_pool_never_preempt_a_plain_decode(model):
+    """scheduler.py: 'pages for drafts never preempt anyone'. With window_tokens=64 (4
+    sliding-window pages) two requests decode without a preemption; with speculation
+    Scheduler.plan grows the first request's drafts across its page end (taking the last
+    window page) before the second request's own token has its page, so the second one
+    cannot grow and is preempted: the draft preempted a plain decode."""
+    P = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompts = [rand_tokens(n, 900 + n) for n in (13, 30)]
+    plain_eng = make(model, None, window_tokens=64)
+    ids, run = online(plain_eng, prompts, P)
+    assert plain_eng.stats()["preemptions"] == 0
+    t = Truth()
+    for p, rid in zip(prompts, ids, strict=True):
+        t.add(p, run.results[rid].output_ids)
+    eng = make(model, spec(Proposer(t, "oracle"), 3), window_tokens=64)
+    ids, run = online(eng, prompts, P)
+    for p, rid in zip(prompts, ids, strict=True):
+        assert run.results[rid].output_ids == t.of(p)[1][len(p):]
+    assert eng.stats()["spec"]["accepted_tokens"] > 0
+    assert eng.stats()["preemptions"] == 0, "a draft's window page preempted a plain decode"
