@@ -225,3 +225,46 @@ def test_drafts_in_a_small_window_pool_never_preempt_a_plain_decode(model):
         assert run.results[rid].output_ids == t.of(p)[1][len(p):]
     assert eng.stats()["spec"]["accepted_tokens"] > 0
     assert eng.stats()["preemptions"] == 0, "a draft's window page preempted a plain decode"
+
+
+# --------------------------------------------------------------------------- MTP
+def test_mtp_drafts_after_a_prefix_hit_equal_those_of_a_fresh_engine(model, monkeypatch):
+    """787984f: the MTP block's KV lives in the swa pool 'so a prefix hit serves the
+    drafter'. But the block's KV at position i is made from the trunk's hidden h_i AND
+    the next token t_{i+1}: the entry at a page's last position depends on the first
+    token of the next page, which the tree does not key on. B shares A's first two pages
+    and then differs; B's catch-up starts at the hit (32) and never rewrites position
+    31, so B's drafter attends to an entry made with A's token 32 and its logits differ
+    from a fresh engine's (by ~4e-3 on the random block: drafts, not answers, change)."""
+    from shadowradix import SpecConfig
+    from shadowradix.model.mtp import random_mtp
+    from shadowradix.model.mtp_runner import MTPRunner
+
+    block = random_mtp(model.config, 0)
+    P = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    a = rand_tokens(40, 1)
+    b = a[:32] + rand_tokens(2, 2)
+    assert b[32] != a[32]
+    seen: list[torch.Tensor] = []
+    forward = MTPRunner.forward
+
+    def spy(self, segments, store):
+        logits, out = forward(self, segments, store)
+        seen.append(logits[0][-1].clone())
+        return logits, out
+
+    monkeypatch.setattr(MTPRunner, "forward", spy)
+
+    def engine():
+        return Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=2048),
+                              speculative=SpecConfig("mtp", 3), mtp=block)
+
+    engine().generate([b], P)
+    fresh = seen[0]  # B's catch-up after its prefill: the first draft's logits
+    shared = engine()
+    shared.generate([a], P)
+    seen.clear()
+    r = shared.generate([b], P)
+    assert r[0].cached_tokens == 32
+    diff = (seen[0] - fresh).abs().max().item()
+    assert diff <= 1e-4, f"the drafter read a stale entry at the hit: {diff}"
