@@ -13,8 +13,10 @@ times the MTP's cross-entropy on the token two ahead (trunk hidden at t and the 
 of t+1 predict t+2), both through transformers' uncached training forward.
 
 `--out DIR` writes `config.json` and `model.safetensors` with `save_pretrained`, the MTP's
-`mtp.0.*` tensors added to the same file (`shadowradix.model.mtp.save_mtp`), and checks
-that `DeepseekV4ForCausalLM.from_pretrained(DIR)` and `load_mtp(DIR, config)` load it.
+`mtp.0.*` tensors added to the same file (`shadowradix.model.mtp.save_mtp`) and the byte
+tokenizer (`byte_tokenizer`, so `shadowradix serve --model DIR` starts), and checks that
+`DeepseekV4ForCausalLM.from_pretrained(DIR)`, `load_mtp(DIR, config)` and the tokenizer
+load it.
 At the end it prints teacher-forced greedy accuracy on held-out copy/edit answers (trunk:
 next token; MTP: the token two ahead, from the true next token) and on held-out text.
 Reproducible from `--seed` (the same losses at 1 and 2 threads here). One thread is the
@@ -134,10 +136,52 @@ def _count(cell: list[int], hit: bool) -> None:
     cell[1] += 1
 
 
+def byte_tokenizer() -> Any:
+    """The tokenizer of this model's tokens, which are bytes (id = byte value, EOS 0): a
+    byte-level BPE without merges whose vocabulary maps each byte's ByteLevel character
+    (GPT-2's byte-to-unicode table) to the byte. A `PreTrainedTokenizerFast`; its
+    `save_pretrained(DIR)` makes DIR loadable by `AutoTokenizer` (`serve --model DIR`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[EOS],
+                                   clean_up_tokenization_spaces=False)
+
+
+def check_byte_tokenizer(tokenizer: Any, text: bytes) -> None:
+    """RuntimeError unless `tokenizer` maps the ASCII `text`'s bytes to their values and
+    back (encode without special tokens, decode skipping them)."""
+    ids = tokenizer.encode(text.decode("ascii"), add_special_tokens=False)
+    back = tokenizer.decode(list(text), skip_special_tokens=True)
+    if ids != list(text) or back != text.decode("ascii"):
+        raise RuntimeError(f"the byte tokenizer does not round-trip {text[:40]!r}: "
+                           f"ids {ids[:12]}, decoded {back[:40]!r}")
+
+
 def save(model: Any, mtp: MTPBlock, out: Path) -> None:
-    """save_pretrained plus the MTP tensors; checks that both load back."""
+    """save_pretrained plus the MTP tensors and the byte tokenizer (`byte_tokenizer`), so
+    `serve --model DIR` loads it; checks that all three load back."""
+    from transformers import AutoTokenizer
+
     model.save_pretrained(str(out))
     save_mtp(out, mtp)
+    byte_tokenizer().save_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    check_byte_tokenizer(tokenizer, bytes(range(1, 128)))  # every ASCII byte but EOS
+    for p in copy_edit_prompts(8, 0):  # the copy/edit text, its ASCII bytes
+        check_byte_tokenizer(tokenizer, bytes(b for b in p.prompt + p.answer if 0 < b < 128))
     loaded, info = DeepseekV4ForCausalLM.from_pretrained(str(out), output_loading_info=True)
     if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
         raise RuntimeError(f"the saved checkpoint does not load cleanly: {info}")

@@ -17,6 +17,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 from shadowradix.model.mtp import (
     PREFIX,
     MTPBlock,
+    has_mtp,
     load_mtp,
     mtp_state_dict,
     random_mtp,
@@ -200,6 +201,67 @@ def test_load_mtp_refuses_bad_tensors(trunk, tmp_path):
     with pytest.raises(ValueError, match="compress ratio 4"):
         attempt(good, "ratio", {"compress_ratios": ratios})
     assert attempt(good, "ratio0", {"compress_ratios": [0, 4, 16, 4, 0]}) is not None
+    kinds = [SWA, CSA, HCA, CSA]
+    with pytest.raises(ValueError, match="compress"):  # transformers cuts layer_types to 4
+        attempt(good, "csa", {"layer_types": [*kinds, CSA]})
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        attempt(good, "dense", {"layer_types": [*kinds, SWA],
+                                "mlp_layer_types": ["moe"] * 4 + ["dense"]})
+    assert attempt(good, "swa", {"layer_types": [*kinds, SWA],
+                                 "mlp_layer_types": ["moe"] * 5}) is not None
+    for dtype in (torch.int32, torch.bool, torch.float8_e5m2):
+        with pytest.raises(ValueError, match=f"dtype.*e_proj.weight: {dtype}"):
+            attempt({**good, PREFIX + "e_proj.weight": good[PREFIX + "e_proj.weight"].to(dtype)},
+                    f"dtype_{dtype}".replace("torch.", ""))
+    for bad in (float("nan"), float("inf")):
+        inf = {**good, PREFIX + "hc_head_fn": good[PREFIX + "hc_head_fn"].clone()}
+        inf[PREFIX + "hc_head_fn"][0, 0] = bad
+        with pytest.raises(ValueError, match="not finite.*hc_head_fn"):
+            attempt(inf, f"finite_{bad}")
+
+
+def test_load_mtp_reads_only_the_files_the_checkpoint_names(trunk, tmp_path):
+    """The index (or model.safetensors) names the files; a stray file is not read, a
+    truncated one is a ValueError naming it, a key in two named files is refused; has_mtp
+    says the same from the index or the header alone."""
+    block = random_mtp(trunk.config, seed=8)
+    tensors = mtp_state_dict(block)
+    d = _checkpoint(trunk, None, tmp_path / "plain")
+    assert not has_mtp(d) and load_mtp(d, trunk.config) is None
+    save_file(tensors, str(d / "stray.safetensors"))  # not the checkpoint's
+    assert not has_mtp(d) and load_mtp(d, trunk.config) is None
+    save_mtp(d, block)
+    assert has_mtp(d)
+    _assert_same_block(block, load_mtp(d, trunk.config))
+    (d / "stray.safetensors").write_bytes(b"garbage")
+    _assert_same_block(block, load_mtp(d, trunk.config))
+
+    s = _checkpoint(trunk, block, tmp_path / "sharded", max_shard_size="200KB")
+    index_path = s / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    assert has_mtp(s)
+    save_file(mtp_state_dict(random_mtp(trunk.config, seed=9)), str(s / "model-old.safetensors"))
+    _assert_same_block(block, load_mtp(s, trunk.config))
+    key = PREFIX + "hnorm.weight"
+    save_file({key: tensors[key]}, str(s / "model-dup.safetensors"))
+    index["weight_map"]["mtp.0.hnorm_copy"] = "model-dup.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="hnorm.weight is in both"):
+        load_mtp(s, trunk.config)
+    del index["weight_map"]["mtp.0.hnorm_copy"]
+    index_path.write_text(json.dumps(index))
+    mtp_file = s / "model-mtp.safetensors"
+    mtp_file.write_bytes(mtp_file.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model-mtp.safetensors: unreadable") as e:
+        load_mtp(s, trunk.config)
+    assert "\n" not in str(e.value)
+    mtp_file.unlink()
+    with pytest.raises(ValueError, match="model-mtp.safetensors: unreadable"):
+        load_mtp(s, trunk.config)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if not k.startswith(PREFIX)}
+    index_path.write_text(json.dumps(index))
+    assert not has_mtp(s) and load_mtp(s, trunk.config) is None
 
 
 def test_bfloat16_keeps_transformers_float32_parts(trunk, tmp_path):
@@ -244,3 +306,10 @@ def test_train_tiny_quick_end_to_end(tmp_path):
         logits, hidden = trunk_forward(model.eval(), ids)
         drafts, _ = block.reference_forward(hidden, ids, model.model.embed_tokens, model.lm_head)
     assert torch.isfinite(drafts).all() and torch.isfinite(logits).all()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))  # written, so `serve --model` starts
+    text = "copy: hello world, it's 4 t3st!\n"
+    assert tok.eos_token_id == 0 and tok.encode(text, add_special_tokens=False) == list(
+        text.encode())
+    assert tok.decode([*text.encode(), 0], skip_special_tokens=True) == text

@@ -3,9 +3,9 @@ loading (`serve --speculative-algorithm ngram|mtp`, `load_mtp`, `Engine.from_pre
 `fleet`). Each test states a claim; those that fail are defects (see the report).
 
 The MTP checkpoint is benchmarks/train_tiny.py's (the trained one in
-/tmp/mtp_helper/run500b when it is there, else a fresh `--quick` run), with a byte-level
-tokenizer saved next to it (train_tiny writes none: see
-test_a_train_tiny_checkpoint_serves_with_mtp)."""
+/tmp/mtp_helper/run500b when it is there, else a fresh `--quick` run), with train_tiny's
+byte-level tokenizer (`byte_tokenizer`) saved next to it; a fresh `--quick` run, as
+train_tiny writes it, is what test_a_train_tiny_checkpoint_serves_with_mtp serves."""
 
 from __future__ import annotations
 
@@ -38,45 +38,29 @@ SPEC = "shadowradix:spec_decode_"
 
 
 # ---------------------------------------------------------------- checkpoints
-def _byte_tokenizer(path: Path) -> None:
-    """train_tiny's tokens are bytes (id = byte value, EOS 0): a byte-level BPE without
-    merges whose vocabulary maps each byte's ByteLevel character to the byte."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[0]).save_pretrained(str(path))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="module")
-def raw_ckpt(tmp_path_factory) -> Path:
-    """train_tiny's checkpoint as it writes it (config, generation config, safetensors)."""
-    out = tmp_path_factory.mktemp("ckpt") / "raw"
-    if (TRAINED / "model.safetensors").is_file():
-        shutil.copytree(TRAINED, out)
-    else:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_tiny.py"), "--quick",
-                        "--out", str(out)], check=True, cwd=ROOT, timeout=600)
+def fresh_ckpt(tmp_path_factory) -> Path:
+    """train_tiny's checkpoint as `--quick --out DIR` writes it (with its byte tokenizer)."""
+    out = tmp_path_factory.mktemp("ckpt") / "fresh"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_tiny.py"), "--quick",
+                    "--out", str(out)], check=True, cwd=ROOT, timeout=600)
     return out
 
 
 @pytest.fixture(scope="module")
-def ckpt(raw_ckpt, tmp_path_factory) -> Path:
-    """The same with a tokenizer, so `serve --model DIR` can load it."""
+def ckpt(request, tmp_path_factory) -> Path:
+    """The trained checkpoint (TRAINED, when it is there, else a fresh `--quick` run) with
+    train_tiny's byte tokenizer saved next to it (TRAINED was written without one), so
+    `serve --model DIR` loads it."""
+    from train_tiny import byte_tokenizer
+
     out = tmp_path_factory.mktemp("ckpt") / "served"
-    shutil.copytree(raw_ckpt, out)
-    _byte_tokenizer(out)
+    trained = (TRAINED / "model.safetensors").is_file()
+    shutil.copytree(TRAINED if trained else request.getfixturevalue("fresh_ckpt"), out)
+    byte_tokenizer().save_pretrained(str(out))
     return out
 
 
@@ -118,10 +102,10 @@ def engine_mtp(d: Path) -> Engine:
 
 
 # ---------------------------------------------------------------- checkpoint defects
-def test_a_train_tiny_checkpoint_serves_with_mtp(raw_ckpt):
+def test_a_train_tiny_checkpoint_serves_with_mtp(fresh_ckpt):
     """`train_tiny.py --out DIR` then `serve --model DIR --speculative-algorithm mtp`: the
     model loads (a checkpoint the project's own trainer wrote must be servable)."""
-    with ServerThread.from_args("--model", str(raw_ckpt), "--page-size", "16",
+    with ServerThread.from_args("--model", str(fresh_ckpt), "--page-size", "16",
                                 "--speculative-algorithm", "mtp") as srv:
         err = srv.runtime.loop.load_error
         assert err is None, f"the trainer's checkpoint does not serve: {err}"

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 MTP_LAYER_TYPE = "sliding_attention"
 MTP_MLP_TYPE = "moe"
 PREFIX = "mtp.0."
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 # Our module name -> the checkpoint's name (after PREFIX). The routed experts are mapped by
 # `_expert_names` (one [E, 2I, D] / [E, D, I] pair here, three matrices per expert there).
@@ -277,7 +280,8 @@ def _expert_names(e: int) -> tuple[str, str, str]:
 
 def _load_tensors(block: MTPBlock, tensors: dict[str, torch.Tensor]) -> None:
     """Copies checkpoint-named `tensors` into `block`; ValueError on missing, extra or
-    mis-shaped keys (nothing is copied then)."""
+    mis-shaped keys, on tensors not of a floating dtype or of an FP8/FP4 one (their scales
+    are not handled) and on tensors that are not all finite (nothing is copied then)."""
     expected = {k: v.shape for k, v in mtp_state_dict(block).items()}
     quantized = sorted(k for k in tensors if k.endswith(".scale"))
     if quantized:
@@ -293,6 +297,15 @@ def _load_tensors(block: MTPBlock, tensors: dict[str, torch.Tensor]) -> None:
            if tensors[k].shape != s]
     if bad:
         raise ValueError(f"MTP tensors have the wrong shape for the config: {bad[:8]}")
+    dtypes = sorted(f"{k}: {t.dtype}" for k, t in tensors.items()
+                    if not t.is_floating_point() or _is_low_bit(t.dtype))
+    if dtypes:
+        raise ValueError(f"MTP tensors of an unsupported dtype (not floating point, or FP8/FP4 "
+                         f"without scales): {dtypes[:8]}{'...' if len(dtypes) > 8 else ''}")
+    nonfinite = sorted(k for k, t in tensors.items() if not bool(torch.isfinite(t).all()))
+    if nonfinite:
+        raise ValueError(f"MTP tensors with NaN or infinite values (not finite): "
+                         f"{nonfinite[:8]}{'...' if len(nonfinite) > 8 else ''}")
     own = block.state_dict()
     with torch.no_grad():
         for ours, theirs in _NAMES.items():
@@ -303,6 +316,11 @@ def _load_tensors(block: MTPBlock, tensors: dict[str, torch.Tensor]) -> None:
             own[_GATE_UP][e, :inter].copy_(tensors[w1])
             own[_GATE_UP][e, inter:].copy_(tensors[w3])
             own[_DOWN][e].copy_(tensors[w2])
+
+
+def _is_low_bit(dtype: torch.dtype) -> bool:
+    """FP8 / FP4 (float8_*, float4_*): stored with scales this block does not apply."""
+    return str(dtype).removeprefix("torch.").startswith(("float8", "float4"))
 
 
 def cast_block(block: MTPBlock, dtype: torch.dtype) -> MTPBlock:
@@ -316,22 +334,32 @@ def cast_block(block: MTPBlock, dtype: torch.dtype) -> MTPBlock:
 
 def load_mtp(model_dir: str | Path, config: Any, dtype: torch.dtype = torch.float32
              ) -> MTPBlock | None:
-    """The MTP block stored under `mtp.0.` in `model_dir`'s *.safetensors, in `dtype` (with
+    """The MTP block stored under `mtp.0.` in `model_dir`'s checkpoint, in `dtype` (with
     transformers' float32 exceptions), in eval mode; None when the checkpoint has none.
 
-    Raises ValueError when the tensors are missing, extra, mis-shaped or quantized, or when
-    the checkpoint's `config.json` gives the MTP layer a compress ratio other than 0.
+    Reads only the files the checkpoint names (`_mtp_files`): those of
+    `model.safetensors.index.json`'s weight_map that hold `mtp.0.*` keys, else
+    `model.safetensors`. Raises ValueError when the tensors are missing, extra, found twice,
+    mis-shaped, quantized, not floating point or not finite, when a file is unreadable or
+    truncated (naming it), or when the checkpoint's raw `config.json` makes the MTP layer
+    anything but a sliding-window MoE layer (`compress_ratios`, `layer_types`,
+    `mlp_layer_types` at index num_hidden_layers).
     """
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    _check_mtp_ratio(model_dir, config)
+    _check_mtp_layer(model_dir, config)
     tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
+    where: dict[str, Path] = {}
+    for path in _mtp_files(model_dir):
+        with _reading(path), safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if key.startswith(PREFIX):
-                    tensors[key] = f.get_tensor(key)
+                if not key.startswith(PREFIX):
+                    continue
+                if key in tensors:
+                    raise ValueError(f"MTP tensor {key} is in both {where[key].name} and "
+                                     f"{path.name}")
+                tensors[key], where[key] = f.get_tensor(key), path
     if not tensors:
         return None
     block = MTPBlock(config)
@@ -339,15 +367,93 @@ def load_mtp(model_dir: str | Path, config: Any, dtype: torch.dtype = torch.floa
     return cast_block(block, dtype).eval()
 
 
-def _check_mtp_ratio(model_dir: Path, config: Any) -> None:
+def has_mtp(model_dir: str | Path) -> bool:
+    """Whether the checkpoint in `model_dir` names any `mtp.0.*` tensor, cheaply (no tensor
+    is read): the keys of `model.safetensors.index.json`'s weight_map, else the header of
+    `model.safetensors`. False without either. ValueError for an unreadable index or
+    header (naming the file)."""
+    model_dir = Path(model_dir)
+    index = _index(model_dir)
+    if index is not None:
+        return any(k.startswith(PREFIX) for k in index)
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        return False
+    from safetensors import safe_open
+
+    with _reading(single), safe_open(str(single), framework="pt") as f:
+        return any(k.startswith(PREFIX) for k in f.keys())  # noqa: SIM118
+
+
+def _index(model_dir: Path) -> dict[str, str] | None:
+    """The weight_map of `model_dir`'s safetensors index (None: no index)."""
+    path = model_dir / INDEX_FILE
+    if not path.exists():
+        return None
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: unreadable safetensors index "
+                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"{path}: weight_map is not a mapping of tensor names to files")
+    return weight_map
+
+
+def _mtp_files(model_dir: Path) -> list[Path]:
+    """The files holding the MTP tensors, as the checkpoint names them: the index's files
+    for `mtp.0.*` keys, else `model.safetensors` (none when it has neither)."""
+    index = _index(model_dir)
+    if index is not None:
+        names = sorted({v for k, v in index.items() if k.startswith(PREFIX)})
+        return [model_dir / name for name in names]
+    single = model_dir / SINGLE_FILE
+    return [single] if single.exists() else []
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Safetensors' and the OS's errors reading `path` (a truncated, corrupt or missing
+    file) become a one-line ValueError naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as error:
+        detail = " ".join(str(error).split())
+        raise ValueError(f"{path}: unreadable safetensors file "
+                         f"({type(error).__name__}: {detail})") from None
+
+
+def _check_mtp_layer(model_dir: Path, config: Any) -> None:
+    """ValueError when the raw config.json (transformers cuts `layer_types` and
+    `mlp_layer_types` to num_hidden_layers, so the loaded config cannot tell) gives the MTP
+    layer (index num_hidden_layers) a compress ratio other than 0, a layer type other than
+    `MTP_LAYER_TYPE` or an MLP type other than `MTP_MLP_TYPE`."""
     path = model_dir / "config.json"
     if not path.exists():
         return
-    ratios = json.loads(path.read_text()).get("compress_ratios")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        return
     n = config.num_hidden_layers
+    ratios = raw.get("compress_ratios")
     if isinstance(ratios, list) and len(ratios) > n and ratios[n] != 0:
         raise ValueError(f"the checkpoint's MTP layer has compress ratio {ratios[n]}; only "
                          "sliding-window MTP layers (ratio 0) are supported")
+    kinds = raw.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) > n and kinds[n] != MTP_LAYER_TYPE:
+        raise ValueError(f"the checkpoint's MTP layer is {kinds[n]!r} (layer_types[{n}]); "
+                         f"only {MTP_LAYER_TYPE!r} MTP layers (compress ratio 0) are "
+                         "supported")
+    mlps = raw.get("mlp_layer_types")
+    if isinstance(mlps, list) and len(mlps) > n and mlps[n] != MTP_MLP_TYPE:
+        raise ValueError(f"the checkpoint's MTP layer's MLP is {mlps[n]!r} "
+                         f"(mlp_layer_types[{n}]); only {MTP_MLP_TYPE!r} is supported")
 
 
 def save_mtp(model_dir: str | Path, block: MTPBlock) -> None:

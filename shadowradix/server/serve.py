@@ -133,7 +133,8 @@ def add_spec_arguments(ap: argparse.ArgumentParser) -> None:
 def spec_config(args: argparse.Namespace) -> SpecConfig | None:
     """The engine's SpecConfig from the speculative flags (None: off). ValueError naming
     the flags for a combination the parser cannot see: a speculative flag without
-    --speculative-algorithm, an ngram window with mtp, a window whose min exceeds its max."""
+    --speculative-algorithm, an ngram window with mtp, a window whose min exceeds its max,
+    mtp on a model without an MTP block (`_check_mtp_model`: no weights are loaded)."""
     from shadowradix.engine.config import SpecConfig
 
     algorithm = getattr(args, "speculative_algorithm", None)
@@ -157,9 +158,31 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
     if lo > hi:
         raise ValueError(f"{NGRAM_WINDOW[0]} ({lo}) must be <= {NGRAM_WINDOW[1]} "
                          f"({hi}{default_hi})")
+    if algorithm == "mtp":
+        _check_mtp_model(getattr(args, "model", None))
     return SpecConfig(method=algorithm,
                       num_draft_tokens=defaults.num_draft_tokens if k is None else k,
                       ngram_min=lo, ngram_max=hi)
+
+
+def _check_mtp_model(model: str | None) -> None:
+    """ValueError when --model `model` has no MTP block for --speculative-algorithm mtp:
+    the demo's random `tiny` model, or a checkpoint directory whose index / safetensors
+    header names no `mtp.0.*` tensor (`has_mtp`: reads no tensor). Anything else (no
+    --model, not a directory) is left to the model's own checks."""
+    if model is None:
+        return
+    if model == "tiny":
+        raise ValueError("--speculative-algorithm mtp needs a checkpoint with an MTP block "
+                         "(mtp.0.* tensors); --model tiny has none (use ngram)")
+    if not Path(model).is_dir():
+        return
+    from shadowradix.model.mtp import has_mtp
+
+    if not has_mtp(model):
+        raise ValueError(f"--speculative-algorithm mtp: --model {model} has no MTP block (no "
+                         f"mtp.0.* tensors in its safetensors index or model.safetensors); "
+                         f"use ngram")
 
 
 def storage_secret(args: argparse.Namespace) -> bytes | None:
