@@ -109,14 +109,14 @@ def test_a_request_whose_booking_raises_fails_alone(model, monkeypatch):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return original(logits, params, generator, banned)
 
-    advance = eng._advance
+    decide = eng._decide  # where a chunk's tokens are chosen, before any is booked
 
     def tagged(c, rows):  # type: ignore[no-untyped-def]
         failing.req = c.request.id  # type: ignore[attr-defined]
-        return advance(c, rows)
+        return decide(c, rows)
 
     monkeypatch.setattr(engine_module, "sample", failing)
-    monkeypatch.setattr(eng, "_advance", tagged)
+    monkeypatch.setattr(eng, "_decide", tagged)
     outs: dict[str, list] = {rid: [] for rid in ids}
     while eng.has_unfinished():
         for o in eng.step():
@@ -131,7 +131,7 @@ def test_a_request_whose_booking_raises_fails_alone(model, monkeypatch):
     assert not eng.manager.leases and eng.stats()["failed"] == 1
     monkeypatch.undo()
     failing.req = ids[1]  # every request now
-    monkeypatch.setattr(eng, "_advance", advance)
+    monkeypatch.setattr(eng, "_decide", decide)
     monkeypatch.setattr(engine_module, "sample", failing)
     with pytest.raises(RuntimeError, match="probability"):  # generate raises its error
         eng.generate(PROMPTS[:2], GREEDY)

@@ -325,8 +325,8 @@ def test_the_flags_become_the_engines_spec_config():
                                   "--speculative-ngram-min-match-window-size", "2",
                                   "--speculative-ngram-max-match-window-size", "4")
                        ) == SpecConfig("ngram", 5, ngram_min=2, ngram_max=4)
-    assert spec_config(serve_args("--model", "tiny", "--speculative-algorithm", "NEXTN")
-                       ) == SpecConfig("mtp")
+    with pytest.raises(ValueError, match="--model tiny has none"):  # NEXTN is mtp
+        spec_config(serve_args("--model", "tiny", "--speculative-algorithm", "NEXTN"))
 
 
 def test_mtp_goes_to_the_engine_and_its_refusal_is_the_load_error(monkeypatch):
@@ -338,6 +338,9 @@ def test_mtp_goes_to_the_engine_and_its_refusal_is_the_load_error(monkeypatch):
         given.append(kw.get("speculative"))
         raise ValueError("this model has no MTP block")
 
+    import shadowradix.server.serve as serve_module
+
+    monkeypatch.setattr(serve_module, "_check_mtp_model", lambda model: None)
     monkeypatch.setattr(Engine, "from_hf", refuse)
     args = ("--model", "tiny", "--speculative-algorithm", "mtp",
             "--speculative-num-draft-tokens", "2")

@@ -392,9 +392,9 @@ def test_preemption_with_drafts_stays_exact(model, kind, k):
 def test_drafts_never_preempt_a_request_plain_decoding_would_not(model):
     """scheduler.py: 'pages for drafts never preempt anyone'. A (oldest) and B decode in
     a 4-page pool; plain decoding needs at most 4 pages at once (B finishes before A
-    needs its second page), so nothing is preempted. With speculation A's drafts grow
-    A's second page early; B's own next token then needs a page: the draft must give way
-    (it is taken back or never grown), not B."""
+    needs its second page), so nothing is preempted. With speculation A's (rejected)
+    drafts want A's second page early; B's own next token then needs a page: the draft
+    must give way (its pages are grown after every request's own token), not B."""
     a, b = rand_tokens(14, 1100), rand_tokens(31, 1101)
     pa = SamplingParams(max_new_tokens=10, ignore_eos=True)
     pb = SamplingParams(max_new_tokens=3, ignore_eos=True)
@@ -405,8 +405,8 @@ def test_drafts_never_preempt_a_request_plain_decoding_would_not(model):
     online(plain_eng, [a, b], [pa, pb])
     assert plain_eng.stats()["preemptions"] == 0
 
-    def only_a(tokens, k):  # B never drafts
-        return Proposer(t, "oracle")(tokens, k) if list(tokens[:14]) == a else []
+    def only_a(tokens, k):  # B never drafts; A's drafts are all wrong, so A runs as plain
+        return Proposer(t, "wrong")(tokens, k) if list(tokens[:14]) == a else []
 
     eng = make(model, spec(only_a, 3), device_tokens=64)
     ids, run = online(eng, [a, b], [pa, pb])

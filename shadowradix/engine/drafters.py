@@ -14,6 +14,7 @@ drafter can make decoding slower, never wrong.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import islice
 from numbers import Integral
 from typing import Any
 
@@ -75,7 +76,7 @@ class TokenDrafter:
             index = state if isinstance(state, PromptLookup) else PromptLookup(
                 self.config.ngram_min, self.config.ngram_max)
             return index.propose(tokens, k), index
-        return self._checked(self._proposer(tokens, k), k), state
+        return self._checked(self._proposer(tuple(tokens), k), k), state  # a copy: read-only
 
     def _checked(self, draft: Any, k: int) -> list[int]:
         """A custom proposer's answer as a list of token ids; ValueError for anything else
@@ -83,10 +84,11 @@ class TokenDrafter:
         if isinstance(draft, np.ndarray) and draft.ndim == 1:
             draft = draft.tolist()
         if isinstance(draft, str | bytes) or not isinstance(draft, Sequence):
-            raise ValueError(f"proposer must return a sequence of token ids, got {draft!r}")
-        out = list(draft)
-        if len(out) > k:
-            raise ValueError(f"proposer returned {len(out)} tokens, asked for at most {k}")
+            raise ValueError(f"proposer must return a sequence of token ids, got "
+                             f"{type(draft).__name__}")
+        if len(draft) > k:  # before reading it: a huge or lazy answer is never walked
+            raise ValueError(f"proposer returned {len(draft)} tokens, asked for at most {k}")
+        out = list(islice(draft, k))
         for t in out:
             if isinstance(t, bool) or not isinstance(t, Integral) or not (
                     0 <= int(t) < self.vocab_size):

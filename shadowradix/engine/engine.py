@@ -87,6 +87,7 @@ class Engine:
                  for p in self.layout.pools}
         self._csa_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == CSA]
         self._index_topk = int(getattr(cfg, "index_topk", 1))
+        self._c4_ratio = int(self.layout.pool("c4").ratio or 1) if self._csa_layers else 1
         self._check_hisparse(config)
         resident = ("c4",) if config.hisparse_buffer is not None else ()
         self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
@@ -156,9 +157,15 @@ class Engine:
                         device: str = "cpu", **kwargs: Any) -> Engine:
         """Load an HF-format checkpoint directory (config.json + safetensors); with
         speculative=SpecConfig("mtp"), also its MTP block (the `mtp.0.*` tensors)."""
+        from safetensors import SafetensorError
         from transformers import DeepseekV4ForCausalLM
 
-        model: Any = DeepseekV4ForCausalLM.from_pretrained(path, dtype=dtype)
+        try:
+            model: Any = DeepseekV4ForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, SafetensorError) as e:  # a missing, truncated or unreadable file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path}: cannot load the checkpoint: {_unreadable(path)}"
+                             f"{first}") from e
         model = model.to(device)
         spec = kwargs.get("speculative")
         if isinstance(spec, SpecConfig) and spec.method == "mtp" and kwargs.get("mtp") is None:
@@ -308,7 +315,10 @@ class Engine:
                     self._page_tables(c.request)
                 spec.chain(chunks, self.store)
             segments = [self._segment(c) for c in chunks]
-            logits, hidden = self.runner.forward_hidden(segments, self.store)
+            if spec.mtp is not None:  # the block reads the trunk's last hidden
+                logits, hidden = self.runner.forward_hidden(segments, self.store)
+            else:
+                logits, hidden = self.runner.forward_batch(segments, self.store), []
         except BaseException:  # the step as a whole failed: put every request back
             for req, snap in snaps.items():
                 snap.restore_model(req)
@@ -361,11 +371,10 @@ class Engine:
         """What the forward feeds for one chunk: its tokens, start and page tables (its
         host copies landed; the compressor state restored at a cache hit)."""
         kv = self._page_tables(c.request)
-        decode = c.end - c.start == 1 and c.start >= c.request.prompt_len
-        if isinstance(kv.c4, HotSet):  # decode steps go through the hot buffer
-            kv.c4.decoding = decode
         req = c.request
         drafts = max(c.end - len(req.ids), 0)
+        if isinstance(kv.c4, HotSet):  # decode (and verify) steps go through the hot buffer
+            kv.c4.decoding = drafts > 0 or (c.end - c.start == 1 and c.start >= req.prompt_len)
         kv.journal = {} if drafts else None  # its states go back to the accepted row
         if self.record_topk:  # a chunk that ends at an output token ends in a decode query
             ends = c.end >= len(req.ids) and c.end > req.prompt_len
@@ -443,6 +452,8 @@ class Engine:
         if drafts:  # the rejected drafts' rows are forgotten
             rewind_states(req.kv, computed - c.start)  # type: ignore[arg-type]
             self._forget_topk(req, c.end - computed)
+            if req.kv is not None and isinstance(req.kv.c4, HotSet):  # their C4 entries too
+                req.kv.c4.forget(computed // self._c4_ratio, c.end // self._c4_ratio)
         req.computed = computed
         self.manager.cache_prefix(req.lease, req.ids + tokens, computed)
         if req.keep_logits:  # copies: a view would keep the whole step's logits alive
@@ -648,6 +659,23 @@ class Engine:
             self.host.mover.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _unreadable(path: str) -> str:
+    """'NAME: ' of the first safetensors file in `path` whose header does not read, for an
+    error message ('' when all read, or the path is not a folder)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    folder = Path(path)
+    for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception:
+            return f"{file.name}: "
+    return ""
 
 
 def _mtp_block(spec: SpecConfig | None, mtp: Any, hf_model: Any) -> Any:

@@ -198,25 +198,46 @@ class Scheduler:
 
     def plan(self) -> list[Chunk]:
         """This step's work: decode tokens first, then prefill chunks under the budget,
-        growing each request's pages (and preempting where they do not fit)."""
+        growing each request's pages (and preempting where they do not fit), then the
+        decoding requests' drafts. Drafts have their share of the budget kept from the
+        prefill chunks, but their pages come last and never preempt: a request whose
+        drafts do not fit decodes one token."""
         budget = self.step_tokens
         chunks: list[Chunk] = []
         self._preempted_last_step = False
         candidates = [r for r in self.running if self.ready(r)] or list(self.running)
         self.deferred += len(self.running) - len(candidates)
         for decode in (True, False):
+            if not decode:  # the drafts' share of the budget, kept from the prefill chunks
+                budget -= min(budget, sum(len(c.request.draft) for c in chunks))
             for req in candidates:
                 if req.lease is None or req.decoding is not decode or budget <= 0:
                     continue
-                end = min(len(req.ids) + len(req.draft), req.computed + budget)
+                end = min(len(req.ids), req.computed + budget)
                 end = self.manager.chunk_end(req.lease, req.computed, end)  # fits its pools
-                if end > len(req.ids) and not self.manager.grow(req.lease, end):
-                    end = len(req.ids)  # drafts never preempt anyone: it decodes plainly
-                del req.draft[max(end - len(req.ids), 0):]
                 if not self._grow(req, end, chunks):
                     continue
                 chunks.append(Chunk(req, req.computed, end))
                 budget -= end - req.computed
+        return self._with_drafts(chunks)
+
+    def _with_drafts(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Extend the decode chunks by their requests' drafts while the step's budget and
+        their pools allow (`grow` may evict cached pages, never preempt); what does not
+        fit is dropped from the draft."""
+        left = self.step_tokens - sum(c.end - c.start for c in chunks)
+        for i, c in enumerate(chunks):
+            req = c.request
+            end = c.end
+            if req.draft and left > 0 and req.lease is not None:
+                end = min(c.end + len(req.draft), c.end + left)
+                end = self.manager.chunk_end(req.lease, c.start, end)
+                if end > c.end and not self.manager.grow(req.lease, end):
+                    end = c.end
+            del req.draft[end - c.end:]
+            if end > c.end:
+                chunks[i] = Chunk(req, c.start, end)
+                left -= end - c.end
         return chunks
 
     def _grow(self, req: Request, end: int, chunks: list[Chunk]) -> bool:

@@ -52,9 +52,11 @@ class Snapshot:
         self._restore_topk(req)
 
     def restore_outputs(self, req: Request) -> None:
-        """Undo what booking a step did to the request's outputs: the token, its logits
-        and the generator's draw (a retry samples the same token again)."""
+        """Undo what booking a step did to the request's outputs: the tokens, their
+        logits, the positions they made computed and the generator's draws (a retry
+        samples the same tokens again)."""
         del req.ids[self.ids:]
+        req.computed = min(req.computed, len(req.ids))  # a verify step books past them
         del req.logits[self.logits:]
         if req.generator is not None and self.generator is not None:
             req.generator.set_state(self.generator)

@@ -7,6 +7,12 @@ the host-resident C4 pool.
     # decode, history >  capacity   each selected entry is a hit (resident) or a miss:
     #                               copied from the host into a slot not selected this
     #                               step, least recently used first
+    # verify (speculative decoding) the rows of one decode query and its drafts share the
+    #                               buffer: the union of their selections is made resident
+    #                               as one decode step would (staged instead when it does
+    #                               not fit); entries the drafts' windows closed are
+    #                               forgotten after the step (`forget`) unless accepted,
+    #                               since the accepted tokens rewrite those addresses
     # prefill chunk (any rows)      staging: the union of the rows' selections is
     #                               gathered from the host once; residency is unchanged
 
@@ -19,8 +25,9 @@ its position in the request, so copies of pages the tree shares are never confus
 a request's own; `remap` forgets entries whose page moved when the request's page table
 changed. A buffer holds copies only: the C4 pool keeps every entry.
 
-Replacement matches `sparse.replay`'s LRU model step for step (tests compare the live
-counters with an offline replay of the recorded stream): when a request leaves the fast
+Without speculation, replacement matches `sparse.replay`'s LRU model step for step
+(tests compare the live counters with an offline replay of the recorded stream; a verify
+step's union lookup is not in that model): when a request leaves the fast
 path its buffer holds the whole history, never-selected entries first (by id), then by
 last selection; within a step hits are touched in selection order, then misses.
 """
@@ -55,7 +62,8 @@ class _Layer:
 class _Plan:
     """One request's reads in one layer and step. Decode: `slots` (its buffer slot per
     selected row, `[k]`) after copying `src` rows of the pool into slots `dst`. Prefill:
-    `src` are the distinct addresses to stage and `inverse` maps each selection to one."""
+    `src` are the distinct addresses to stage and `inverse` maps each selection to one.
+    A verify step's `slots` are `[rows, k]`."""
 
     owner: int  # the request's set in the arena
     src: np.ndarray
@@ -132,8 +140,8 @@ class HotBuffers:
         out, at = [], 0
         for p in plans:
             if p.slots is not None:
-                out.append(buf[torch.from_numpy(p.owner * self.capacity + p.slots)
-                               .to(device)][None])
+                slots = p.slots if p.slots.ndim == 2 else p.slots[None]
+                out.append(buf[torch.from_numpy(p.owner * self.capacity + slots).to(device)])
             else:
                 assert staged is not None and p.inverse is not None
                 out.append(staged[at:at + p.src.size][p.inverse.to(device)])
@@ -164,7 +172,8 @@ class HotSet:
         self._layers = {layer: _Layer(arena.capacity) for layer in arena.layers}
         self._tick = 0
         self._table: np.ndarray | None = None
-        self.decoding = False  # set per chunk: a decode step (one output token fed back)
+        self.decoding = False  # set per chunk: a decode step (one output token fed back,
+        # with its drafts on a speculative step)
 
     def remap(self, table: np.ndarray) -> None:
         """The request's C4 page table changed: forget entries on pages that moved."""
@@ -178,6 +187,27 @@ class HotSet:
         for state in self._layers.values():
             _forget(state, old[moved], int(moved[0]), self.arena.per_page)
 
+    def forget(self, lo: int, hi: int) -> None:
+        """Drop logical entries [lo, hi) wherever they are held: a speculative step wrote
+        them from drafts the model rejected, and the accepted tokens will write other
+        entries at the same addresses."""
+        if lo >= hi:
+            return
+        for state in self._layers.values():
+            if state.fast:  # slot w holds entry w: refill from lo
+                state.filled = min(state.filled, lo)
+                continue
+            assert self._table is not None
+            per_page = self.arena.per_page
+            ids = np.arange(lo, hi)
+            ids = ids[ids // per_page < self._table.size]
+            pages = self._table[ids // per_page]
+            for key in (pages * per_page + ids % per_page)[pages >= 0].tolist():
+                slot = state.where.pop(key, None)
+                if slot is not None:
+                    state.keys[slot] = -1
+                    state.stamps[slot] = EMPTY
+
     def reset(self) -> None:
         """Forget every entry: a step that failed between `plan` and `fetch` left slots
         recorded as holding entries that were never copied in. The next decode refills."""
@@ -190,15 +220,15 @@ class HotSet:
         selection (invalid ones are masked by the caller: any finite entry does); count
         the entries the request has (every id < count)."""
         assert self.slot is not None, "plan after release"
-        if not self.decoding or picked.shape[0] != 1:  # prefill: stage the union once
-            addr = address(torch.where(valid, picked, torch.zeros_like(picked)))
-            unique, inverse = torch.unique(addr, return_inverse=True)
-            self.arena.moved("staged", int(unique.numel()))
-            return _Plan(self.slot, unique.cpu().numpy(), inverse=inverse)
+        rows = picked.shape[0]
+        if not self.decoding:  # prefill: stage the union once
+            return self._stage(address, picked, valid)
         state = self._layers[layer]
         capacity = self.arena.capacity
+        selected = picked[0][valid[0]] if rows == 1 else torch.unique(picked[valid])
+        if rows > 1 and selected.numel() > capacity:
+            return self._stage(address, picked, valid)  # the union does not fit: stage it
         self._tick += 1
-        selected = picked[0][valid[0]]
         if state.fast and count <= capacity:  # slot w holds entry w
             new = np.arange(state.filled, max(count, state.filled))
             src = new  # nothing to copy (empty) unless windows closed since the last step
@@ -209,8 +239,8 @@ class HotSet:
                 state.filled = count
             state.stamps[selected.cpu().numpy()] = self._tick * (capacity + 1)
             self.arena.counts["fast_path_lookups"] += 1
-            where = torch.where(valid[0], picked[0], torch.zeros_like(picked[0]))
-            return _Plan(self.slot, src, new, where.cpu().numpy())
+            where = torch.where(valid, picked, torch.zeros_like(picked)).cpu().numpy()
+            return _Plan(self.slot, src, new, where[0] if rows == 1 else where)
         if state.fast:  # leaving the fast path: slot w holds entry w, keyed by its address
             state.fast = False
             resident = torch.arange(state.filled, device=picked.device)
@@ -218,9 +248,22 @@ class HotSet:
             state.where = {int(k): w for w, k in enumerate(state.keys[:state.filled])}
         keys = address(selected).cpu().numpy()
         slots, missing = self._place(layer, state, keys)
-        every = np.zeros(picked.shape[1], dtype=np.int64)
-        every[valid[0].cpu().numpy()] = slots
+        if rows == 1:
+            every = np.zeros(picked.shape[1], dtype=np.int64)
+            every[valid[0].cpu().numpy()] = slots
+        else:  # each row's selections: their slots, by the position of the id in the union
+            at = np.searchsorted(selected.cpu().numpy(), picked.cpu().numpy())
+            every = np.where(valid.cpu().numpy(), slots[np.minimum(at, slots.size - 1)], 0)
         return _Plan(self.slot, keys[missing], slots[missing], every)
+
+    def _stage(self, address: Callable[[torch.Tensor], torch.Tensor], picked: torch.Tensor,
+               valid: torch.Tensor) -> _Plan:
+        """Gather the union of the rows' selections once; residency is unchanged."""
+        assert self.slot is not None
+        addr = address(torch.where(valid, picked, torch.zeros_like(picked)))
+        unique, inverse = torch.unique(addr, return_inverse=True)
+        self.arena.moved("staged", int(unique.numel()))
+        return _Plan(self.slot, unique.cpu().numpy(), inverse=inverse)
 
     def fetch(self, layer: int, source: torch.Tensor, plans: list[Any]) -> list[torch.Tensor]:
         """Every plan of the step's readers (one arena serves them all)."""

@@ -1,0 +1,53 @@
+"""Speculative decoding with HiSparse: a verify step's rows share the hot buffers (the
+union of their selections made resident, staged when it does not fit), and the entries
+the drafts' windows closed are forgotten unless accepted: the accepted tokens rewrite
+those addresses, so a slot still holding one would be wrong KV. Exact against
+speculation and HiSparse off, whatever the drafts."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_model import reference_logits, tiny_model
+
+from shadowradix import CacheConfig, Engine, SamplingParams, SpecConfig
+
+PROMPTS = [[(7 * i + j * 3) % 50 + 1 for i in range(n)] for j, n in enumerate([5, 37, 70, 130])]
+P = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    return Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=4096)).generate(
+        PROMPTS, P, return_logits=True)
+
+
+@pytest.mark.parametrize("buffer", [5, 8, 64])  # top-k + 1 (slots reused every step) .. all
+@pytest.mark.parametrize("right", [0, 1, 3])  # drafts right for this many tokens, then wrong
+def test_verify_through_the_hot_buffers_is_exact(model, base, buffer: int, right: int) -> None:
+    truth = [t + r.output_ids for t, r in zip(PROMPTS, base, strict=True)]
+
+    def proposer(tokens: list[int], k: int) -> list[int]:
+        full = next((f for f in truth if f[:len(tokens)] == list(tokens)), None)
+        if full is None:
+            return []  # off the true path already: the test fails on the tokens below
+        good = full[len(tokens):len(tokens) + k]
+        return good[:right] + [(t + 1) % 256 for t in good[right:]]
+
+    cfg = CacheConfig(page_size=16, device_tokens=4096, hisparse_buffer=buffer,
+                      hisparse_requests=8, debug_poison=True)
+    eng = Engine.from_hf(model, cfg, speculative=SpecConfig("custom", 3, proposer=proposer))
+    results = eng.generate(PROMPTS, P, return_logits=True)
+    hs = eng.stats()["hisparse"]
+    assert hs["fast_path_lookups"] + hs["hits"] + hs["misses"] > 0  # the buffers were read
+    for a, b in zip(base, results, strict=True):
+        assert a.output_ids == b.output_ids
+        assert (a.logits - b.logits).abs().max() < 1e-5
+    last = results[-1]
+    ref = reference_logits(model, PROMPTS[-1] + last.output_ids)[len(PROMPTS[-1]) - 1:-1]
+    assert (ref - last.logits).abs().max() < 1e-4
+    eng.check_integrity()
