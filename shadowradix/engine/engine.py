@@ -349,8 +349,10 @@ class Engine:
                 except Exception as e:  # its own booking failed: it fails alone
                     self._fail(c.request, e)
             except BaseException:  # an interrupt, or failing it failed: the rest stay pending
-                for later in chunks[i + 1:]:
-                    snaps[later.request].restore_model(later.request)
+                for later in chunks[i + 1:]:  # their tokens were drawn, not yet taken
+                    if later.request.error is None:
+                        snaps[later.request].restore_model(later.request)
+                        snaps[later.request].restore_outputs(later.request)
                 self._interrupted(c.request, snaps[c.request])
                 raise
         self._counters["step_seconds"] += time.perf_counter() - t_step
