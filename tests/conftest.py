@@ -72,3 +72,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         terminalreporter.write_line(
             f"differential checks against transformers: {len(LOGIT_DIFFS)}, "
             f"largest |logit diff| {max(LOGIT_DIFFS):.2e}")
+
+
+@pytest.fixture(scope="session")
+def quick_checkpoint(tmp_path_factory):
+    """One `benchmarks/train_tiny.py --quick` run for the whole session (it trains for ~20
+    s): (its checkpoint directory, its stdout). Tests copy the directory before changing it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("quick-checkpoint") / "trained"
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "train_tiny.py"), "--quick",
+                          "--threads", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out, run.stdout

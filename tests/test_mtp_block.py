@@ -4,7 +4,6 @@ and the tiny trainer end to end."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -289,13 +288,9 @@ def test_copy_edit_prompts_fit_the_window():
         assert all(0 < t < 256 for t in p.prompt + p.answer[:-1])
 
 
-def test_train_tiny_quick_end_to_end(tmp_path):
-    out = tmp_path / "trained"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_tiny.py"), "--quick",
-                          "--threads", "1", "--out", str(out)], capture_output=True, text=True,
-                         timeout=180, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "held-out greedy accuracy" in run.stdout and "step    20" in run.stdout
+def test_train_tiny_quick_end_to_end(quick_checkpoint):
+    out, stdout = quick_checkpoint  # train_tiny.py --quick --threads 1 --out DIR
+    assert "held-out greedy accuracy" in stdout and "step    20" in stdout
     model, info = DeepseekV4ForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert model.config.layer_types == [SWA, CSA, HCA, CSA]

@@ -296,8 +296,7 @@ def test_storage_hit_in_a_fresh_engine(model, tmp_path, writer_spec, reader_spec
 
 
 # ------------------------------------------------------------------------ HiSparse
-@pytest.mark.parametrize("kind,k", [("oracle", 7), ("wrong", 3), ("wrong", 7), ("half", 7),
-                                    ("ngram", 3)])
+@pytest.mark.parametrize("kind,k", [("oracle", 7), ("wrong", 7), ("ngram", 3)])
 def test_hisparse_verify_chunks_are_exact(model, kind, k):
     """Buffer = index_topk + 1: multi-row verify chunks read C4 through the staging path,
     single-row decodes (a draft cut to nothing) through the buffers; rolled-back drafts

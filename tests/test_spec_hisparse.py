@@ -26,8 +26,8 @@ def base(model):
         PROMPTS, P, return_logits=True)
 
 
-@pytest.mark.parametrize("buffer", [5, 8, 64])  # top-k + 1 (slots reused every step) .. all
-@pytest.mark.parametrize("right", [0, 1, 3])  # drafts right for this many tokens, then wrong
+@pytest.mark.parametrize("buffer, right", [  # buffer: top-k + 1 (slots reused every step)
+    (5, 0), (8, 1), (64, 0), (64, 3)])       # .. all; drafts right for `right` tokens
 def test_verify_through_the_hot_buffers_is_exact(model, base, buffer: int, right: int) -> None:
     truth = [t + r.output_ids for t, r in zip(PROMPTS, base, strict=True)]
 

@@ -320,11 +320,11 @@ class Roomy(LockstepMachine):
 
 
 TestTight = Tight.TestCase
-TestTight.settings = steps(4)
+TestTight.settings = steps(2)
 TestHostAndStorage = HostAndStorage.TestCase
-TestHostAndStorage.settings = steps(3)
+TestHostAndStorage.settings = steps(2)
 TestHiSparse = HiSparse.TestCase
-TestHiSparse.settings = steps(3)
+TestHiSparse.settings = steps(2)
 TestSmallWindow = SmallWindow.TestCase
 TestSmallWindow.settings = steps(2)
 TestRoomy = Roomy.TestCase

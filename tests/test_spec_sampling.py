@@ -28,7 +28,8 @@ from shadowradix.engine.verify import verify
 from shadowradix.model.tiny import CSA, HCA, SWA, tiny_deepseek_v4
 
 V = 16
-N = 500  # requests per engine run
+N = 250  # requests per engine run (a correct rule passes at ALPHA with these)
+N_POWER = 500  # requests per run where a wrong rule must fail below POWER
 ALPHA = 1e-4  # a correct rule passes at this level (fixed seeds: the outcome is fixed too)
 POWER = 1e-8  # a wrong rule fails below it
 OUT = 4
@@ -355,7 +356,7 @@ def test_a_wrong_acceptance_rule_fails_the_engine_level_test(model, logits, monk
     params, pick = CONFIGS["plain"]
     law = joint(logits, params)
     monkeypatch.setattr(engine_module, "verify", rule)
-    ps = p_values(run_engine(model, params, fixed(pick(law))), law)
+    ps = p_values(run_engine(model, params, fixed(pick(law)), n=N_POWER), law)
     assert min(ps.values()) < POWER, ps
 
 

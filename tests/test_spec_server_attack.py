@@ -2,17 +2,14 @@
 loading (`serve --speculative-algorithm ngram|mtp`, `load_mtp`, `Engine.from_pretrained`,
 `fleet`). Each test states a claim; those that fail are defects (see the report).
 
-The MTP checkpoint is benchmarks/train_tiny.py's (the trained one in
-/tmp/mtp_helper/run500b when it is there, else a fresh `--quick` run), with train_tiny's
-byte-level tokenizer (`byte_tokenizer`) saved next to it; a fresh `--quick` run, as
-train_tiny writes it, is what test_a_train_tiny_checkpoint_serves_with_mtp serves."""
+The MTP checkpoint is one fresh `benchmarks/train_tiny.py --quick` run for the session
+(conftest's `quick_checkpoint`), as train_tiny writes it (with its byte-level tokenizer)."""
 
 from __future__ import annotations
 
 import json
 import random
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +29,6 @@ from shadowradix.server.text_stream import TextStream
 from shadowradix.server.tokenizer import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAINED = Path("/tmp/mtp_helper/run500b")
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SPEC = "shadowradix:spec_decode_"
 
@@ -42,24 +38,21 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="module")
-def fresh_ckpt(tmp_path_factory) -> Path:
+def fresh_ckpt(quick_checkpoint, tmp_path_factory) -> Path:
     """train_tiny's checkpoint as `--quick --out DIR` writes it (with its byte tokenizer)."""
     out = tmp_path_factory.mktemp("ckpt") / "fresh"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_tiny.py"), "--quick",
-                    "--out", str(out)], check=True, cwd=ROOT, timeout=600)
+    shutil.copytree(quick_checkpoint[0], out)
     return out
 
 
 @pytest.fixture(scope="module")
 def ckpt(request, tmp_path_factory) -> Path:
-    """The trained checkpoint (TRAINED, when it is there, else a fresh `--quick` run) with
-    train_tiny's byte tokenizer saved next to it (TRAINED was written without one), so
+    """A fresh `--quick` checkpoint with train_tiny's byte tokenizer saved next to it, so
     `serve --model DIR` loads it."""
     from train_tiny import byte_tokenizer
 
     out = tmp_path_factory.mktemp("ckpt") / "served"
-    trained = (TRAINED / "model.safetensors").is_file()
-    shutil.copytree(TRAINED if trained else request.getfixturevalue("fresh_ckpt"), out)
+    shutil.copytree(request.getfixturevalue("fresh_ckpt"), out)  # the same on every machine
     byte_tokenizer().save_pretrained(str(out))
     return out
 
@@ -403,11 +396,9 @@ def test_storage_is_not_shared_between_mtp_and_plain_servers_and_hits_draft_the_
 
 
 # ---------------------------------------------------------------- ngram server: limits
-@pytest.mark.parametrize("extra", [
-    ("--step-tokens", "1"), ("--step-tokens", "3"),
-    ("--device-tokens", "256", "--step-tokens", "64"),
-    ("--window-tokens", "64"), ("--hisparse-buffer", "64"),
-    ("--host-tokens", "4096", "--device-tokens", "256")])
+@pytest.mark.parametrize("extra", [  # the engine-level tests cover the rest
+    ("--step-tokens", "1"), ("--device-tokens", "256", "--step-tokens", "64"),
+    ("--hisparse-buffer", "64", "--host-tokens", "4096")])
 def test_ngram_under_tight_limits_answers_as_the_plain_server(extra):
     prompts = ["abc abc abc abc abc abc", "1 2 3 1 2 3 1 2 3", "The cache keeps every form",
                "x y z x y z x y z x y"]

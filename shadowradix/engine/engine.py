@@ -332,10 +332,7 @@ class Engine:
             try:
                 drafts = spec.catch_up(chunks, hidden, decided, self.store)
             except BaseException:
-                for req, snap in snaps.items():
-                    if req.error is None:
-                        snap.restore_model(req)
-                        snap.restore_outputs(req)
+                _put_back(snaps, list(snaps))
                 raise
             self._counters["forward_seconds"] += time.perf_counter() - t_forward
         for i, (c, rows) in enumerate(zip(chunks, logits, strict=True)):
@@ -349,10 +346,7 @@ class Engine:
                 except Exception as e:  # its own booking failed: it fails alone
                     self._fail(c.request, e)
             except BaseException:  # an interrupt, or failing it failed: the rest stay pending
-                for later in chunks[i + 1:]:  # their tokens were drawn, not yet taken
-                    if later.request.error is None:
-                        snaps[later.request].restore_model(later.request)
-                        snaps[later.request].restore_outputs(later.request)
+                _put_back(snaps, [later.request for later in chunks[i + 1:]])  # drawn, not taken
                 self._interrupted(c.request, snaps[c.request])
                 raise
         self._counters["step_seconds"] += time.perf_counter() - t_step
@@ -415,10 +409,7 @@ class Engine:
                 except Exception as e:
                     self._fail(c.request, e)
             except BaseException:
-                for req, snap in snaps.items():
-                    if req.error is None:
-                        snap.restore_model(req)
-                        snap.restore_outputs(req)
+                _put_back(snaps, list(snaps))
                 raise
         return decided
 
@@ -661,6 +652,15 @@ class Engine:
             self.host.mover.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _put_back(snaps: dict[Request, Snapshot], reqs: Sequence[Request]) -> None:
+    """These requests as they were before the step (their states, and the tokens drawn
+    for them), but those that failed alone: a retry recomputes and redraws the same."""
+    for req in reqs:
+        if req.error is None:
+            snaps[req].restore_model(req)
+            snaps[req].restore_outputs(req)
 
 
 def _unreadable(path: str) -> str:
