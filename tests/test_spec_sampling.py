@@ -320,35 +320,34 @@ def _always_accept(rows, draft, params, generator, banned):
     return [*draft, sample(rows[len(draft)], params, generator, banned[len(draft)])]
 
 
-def _no_residual(rows, draft, params, generator, banned):
-    """On a rejection, draw from the whole distribution (the draft not removed)."""
+def _textbook(rows, draft, params, generator, banned, remove: bool, bonus_row: int):
+    """The textbook rejection rule (keep x with probability p(x), else draw again),
+    optionally wrong: `remove` False draws the residual from the whole distribution,
+    `bonus_row` -1 draws the bonus token from the row before its own."""
     out = []
     for i, x in enumerate(draft):
         p = distribution(rows[i], params, banned[i]).cpu()
         if float(torch.rand((), generator=generator)) < float(p[x]):
             out.append(x)
             continue
+        if remove:
+            p[x] = 0.0
         out.append(int(torch.multinomial(p, 1, generator=generator)))
         return out
-    out.append(sample(rows[len(draft)], params, generator, banned[len(draft)]))
+    k = len(draft) + bonus_row
+    out.append(sample(rows[k], params, generator, banned[k]))
     return out
+
+
+def _no_residual(rows, draft, params, generator, banned):
+    """On a rejection, draw from the whole distribution (the draft not removed)."""
+    return _textbook(rows, draft, params, generator, banned, remove=False, bonus_row=0)
 
 
 def _bonus_from_the_last_draft_row(rows, draft, params, generator, banned):
     """The right rule, but the bonus token (every draft kept) drawn from the row before
     its own."""
-    out = []
-    for i, x in enumerate(draft):
-        p = distribution(rows[i], params, banned[i]).cpu()
-        if float(torch.rand((), generator=generator)) < float(p[x]):
-            out.append(x)
-            continue
-        p[x] = 0.0
-        out.append(int(torch.multinomial(p, 1, generator=generator)))
-        return out
-    k = len(draft)
-    out.append(sample(rows[k - 1], params, generator, banned[k - 1]))
-    return out
+    return _textbook(rows, draft, params, generator, banned, remove=True, bonus_row=-1)
 
 
 @pytest.mark.parametrize("rule", [_always_accept, _no_residual], ids=lambda f: f.__name__)

@@ -81,7 +81,7 @@ class Speculator:
         hidden = {c.request: c.request.draft_state[1] for c in work}
         j = 1
         while work:
-            segments = [(hidden[c.request], _tokens([c.request.draft[j - 1]], c.request),
+            segments = [(hidden[c.request], self._tokens([c.request.draft[j - 1]]),
                          c.start + j - 1, c.request.kv) for c in work]
             logits, out = self.mtp.forward(segments, store)  # type: ignore[arg-type]
             for c, rows, h in zip(work, logits, out, strict=True):
@@ -105,7 +105,7 @@ class Speculator:
             seq = req.ids + tokens
             end = len(seq) - 1 if tokens else c.end  # the positions kept
             work.append(req)
-            segments.append((rows[:end - c.start], _tokens(seq[c.start + 1:end + 1], req),
+            segments.append((rows[:end - c.start], self._tokens(seq[c.start + 1:end + 1]),
                              c.start, req.kv))
         if not segments:
             return {}
@@ -135,8 +135,7 @@ class Speculator:
                 "mean_accepted_length": (counts["accepted_tokens"] + drafts) / drafts
                 if drafts else None}
 
-
-def _tokens(ids: list[int], req: Request) -> torch.Tensor:
-    assert req.kv is not None
-    table = next(iter(req.kv.page_tables.values()))
-    return torch.tensor(ids, device=table.device)
+    def _tokens(self, ids: list[int]) -> torch.Tensor:
+        """Token ids on the model's device."""
+        assert self.mtp is not None
+        return torch.tensor(ids, device=self.mtp.hf.lm_head.weight.device)
