@@ -4,7 +4,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-3
+STAMP := $(VENV)/.installed-4
 
 .PHONY: install demo test bench test-long clean
 
@@ -23,7 +23,7 @@ demo: install
 test: install
 	$(BIN)/ruff check shadowradix tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 test-long: install
 	SHADOWRADIX_HYPOTHESIS_SCALE=20 $(BIN)/python -m pytest tests/test_tree_machine.py tests/test_tiers_machine.py \

@@ -1,7 +1,10 @@
-"""Test-session plumbing: puts tests/ on the path and reports state-machine step counts."""
+"""Test-session plumbing: puts tests/ on the path, shares the cores among pytest-xdist's
+workers, and reports state-machine step counts (summed over the workers)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +66,35 @@ STEPS: dict[str, int] = {}
 LOGIT_DIFFS: list[float] = []  # every differential check against transformers
 
 
+def pytest_configure(config):  # type: ignore[no-untyped-def]
+    """Under xdist (`make test` runs `-n 2`), each worker gets its share of the cores for
+    torch and for what it starts (servers, fleets): two workers each running torch on every
+    core slow each other down several times over."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = threads
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def pytest_sessionfinish(session):  # type: ignore[no-untyped-def]
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # an xdist worker: hand the counts to the controller
+        out["steps"] = dict(STEPS)
+        out["logit_diffs"] = list(LOGIT_DIFFS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # type: ignore[no-untyped-def]
+    out = getattr(node, "workeroutput", {})
+    for name, n in out.get("steps", {}).items():
+        STEPS[name] = STEPS.get(name, 0) + n
+    LOGIT_DIFFS.extend(out.get("logit_diffs", []))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
     if STEPS:
         total = sum(STEPS.values())
@@ -78,12 +110,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
 def quick_checkpoint(tmp_path_factory):
     """One `benchmarks/train_tiny.py --quick` run for the whole session (it trains for ~20
     s): (its checkpoint directory, its stdout). Tests copy the directory before changing it."""
+    import shutil
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path_factory.mktemp("quick-checkpoint") / "trained"
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "train_tiny.py"), "--quick",
-                          "--threads", "1", "--out", str(out)], capture_output=True, text=True,
-                         timeout=300, cwd=root)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return out, run.stdout
+    # One run for every xdist worker: the first to take the lock trains, the others wait.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out, log = shared / "quick-checkpoint" / "trained", shared / "quick-checkpoint.stdout"
+    out.parent.mkdir(exist_ok=True)
+    with open(shared / "quick-checkpoint.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not log.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            run = subprocess.run([sys.executable, str(root / "benchmarks" / "train_tiny.py"),
+                                  "--quick", "--threads", "1", "--out", str(out)],
+                                 capture_output=True, text=True, timeout=300, cwd=root)
+            assert run.returncode == 0, run.stderr[-2000:]
+            log.write_text(run.stdout)
+    return out, log.read_text()

@@ -111,6 +111,27 @@ def test_a_body_over_max_body_bytes_is_413_as_it_is_read(server):
     assert r.headers["connection"] == "close"
 
 
+def test_a_413_reaches_a_client_that_reads_only_after_sending_its_whole_body(server):
+    """The server answered 413 at the declared Content-Length and closed with the body
+    unread. A close with unread data resets the connection (RST, not FIN), and Linux then
+    drops whatever of the answer was still queued to send: a client that reads only after
+    sending its whole body (httpx does) got `peer closed connection without sending complete
+    message body` in CI. A body up to twice the limit is now read and dropped first, so the
+    client's sends all go through and the connection ends with the whole answer."""
+    s = raw(server)
+    size = BODY_BYTES + 100_000
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n")
+    s.sendall(head.encode())
+    time.sleep(0.3)  # the old server had answered and closed by now
+    for _ in range(size // 65536):
+        s.sendall(b"a" * 65536)  # BrokenPipeError on the old code: the server reset
+    s.sendall(b"a" * (size % 65536))
+    got = closed_within(s, 10)
+    assert got.startswith(b"HTTP/1.1 413") and b"request_too_large" in got, got[:200]
+    s.close()
+
+
 class TokenizerSpy:
     """The runtime's tokenizer, recording the length of every text it is asked to encode."""
 

@@ -34,12 +34,13 @@ FORMS = [
 ]
 
 
-def forms() -> list[str]:
-    port = free_port()  # nothing listens there
-    return [f.format(port=port) for f in FORMS]
+@pytest.fixture(params=FORMS, ids=[f"form{i}" for i in range(1, len(FORMS) + 1)])
+def url(request):  # type: ignore[no-untyped-def]
+    """Each form, at a port nothing listens on (made per test, not at collection: xdist's
+    workers must collect the same test names)."""
+    return request.param.format(port=free_port())
 
 
-@pytest.mark.parametrize("url", forms())
 def test_redact_hides_every_credential_form(url):
     shown = redact(url)
     assert "Zq" not in shown
@@ -58,7 +59,6 @@ def model():
     return tiny_model()
 
 
-@pytest.mark.parametrize("url", forms())
 def test_no_output_of_an_engine_shows_a_credential(model, url, caplog):
     caplog.set_level(logging.DEBUG)
     shown: list[str] = []
@@ -80,7 +80,6 @@ def test_no_output_of_an_engine_shows_a_credential(model, url, caplog):
         assert "Zq" not in text, text
 
 
-@pytest.mark.parametrize("url", forms())
 def test_a_backend_refusing_a_form_does_not_echo_it(url):
     try:
         open_storage(url).close()

@@ -131,32 +131,47 @@ class BodyReader:
         await self.app(scope, replay, send)
 
     async def read(self, scope: Scope, receive: Receive, limit: int) -> bytes | None:
+        # A body over the limit is still read, and dropped, up to twice the limit: closing
+        # a connection with its body unread resets it, and the client's kernel then throws
+        # away the 413 it was about to read. Past twice the limit (declared or counted) the
+        # answer goes at once, and such a client may see only the reset.
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
+        over = declared.isdigit() and int(declared) > limit
+        if over and int(declared) > 2 * limit:
             raise self.too_large(limit)
         chunks: list[bytes] = []
         size, more = 0, True
         start = asyncio.get_running_loop().time()
-        while more:
-            # A stall of `timeout` between chunks, or a trickle slower than BODY_RATE past
-            # the first `timeout` seconds, is a 408: no body holds its connection for long.
-            left = start + self.timeout + size / BODY_RATE - asyncio.get_running_loop().time()
+        while more and size <= 2 * limit:
             try:
-                message = await asyncio.wait_for(receive(), max(min(self.timeout, left), 0))
-            except TimeoutError:
-                raise ApiError(f"the request body stalled or trickled (--read-timeout "
-                               f"{self.timeout:g} s between chunks, {BODY_RATE // 1024} KiB/s "
-                               f"after that)", status=408, code="request_timeout",
-                               headers=CLOSE) from None
+                message = await self.next_message(receive, start, size)
+            except ApiError:
+                if over:
+                    raise self.too_large(limit) from None
+                raise
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise self.too_large(limit)
-            chunks.append(chunk)
+            over = over or size > limit
+            if not over:
+                chunks.append(chunk)
             more = message.get("more_body", False)
+        if over:
+            raise self.too_large(limit)
         return b"".join(chunks)
+
+    async def next_message(self, receive: Receive, start: float, size: int) -> Message:
+        # A stall of `timeout` between chunks, or a trickle slower than BODY_RATE past the
+        # first `timeout` seconds, is a 408: no body holds its connection for long.
+        left = start + self.timeout + size / BODY_RATE - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(receive(), max(min(self.timeout, left), 0))
+        except TimeoutError:
+            raise ApiError(f"the request body stalled or trickled (--read-timeout "
+                           f"{self.timeout:g} s between chunks, {BODY_RATE // 1024} KiB/s "
+                           f"after that)", status=408, code="request_timeout",
+                           headers=CLOSE) from None
 
     @staticmethod
     def too_large(limit: int) -> ApiError:
