@@ -11,11 +11,13 @@ DeepSeek-V4-Pro, SGLang's fp8 KV records, page 256, through `shadowradix.sim.sim
     # default  the policy `shadowradix simulate` and the engine use when told nothing
     #          (`policy_choice("shadowradix")`)
     # end-only the old default (checkpoints at sequence ends and branch points, share 0.1)
+    # adaptive-lifetime  the default with a learned lifetime for loose resume points (#22)
 
 and reports, per size, the best static setting (what a flag tuned for that size alone
-reaches), the default, its gap to the best, and no shadows; then the issue's goals: within
-1 point of the best static at every size, never below no shadows, 90% of the bound at
-256 GB, and one replay of the whole trace in under 60 s. The replays run in `--workers`
+reaches), the default, its gap to the best, and no shadows; then the goals: within 0.3
+points of the best static and of no shadows at every size, 99% of the bound wherever a
+static setting reaches that (memory holds the working set), 90% of the bound at 256 GB,
+and one replay of the whole trace in under 60 s. The replays run in `--workers`
 processes (each a single-threaded replay; take timings with nothing else running).
 """
 
@@ -47,7 +49,7 @@ def grid() -> list[tuple[str, int, float]]:
     """(policy name, checkpoint_every, window_ratio) of every setting replayed."""
     static = [("periodic", k, r) for k in KS for r in SHARES]
     return [*static, ("eager-swa", 8, 0.1), ("no-shadows", 8, 1.0), ("end-only", 8, 0.1),
-            ("shadowradix", 8, 0.1)]
+            ("shadowradix", 8, 0.1), ("adaptive-lifetime", 8, 0.1)]
 
 
 def _load(trace: str) -> None:
@@ -92,27 +94,33 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"hit rate (% of prompt tokens), DeepSeek-V4-Pro fp8, page 256, "
                   f"{Path(trace).name} (bound {100 * bound:.1f}%)")
     for col in ("device GB", "best static", "setting", "default", "gap", "end-only",
-                "no shadows", "default / bound"):
+                "no shadows", "default / bound", "adaptive lifetime"):
         table.add_column(col, justify="right")
-    goals = {"within_1_point": True, "never_below_no_shadows": True}
+    # #22: at every size, within 0.3 points of the best static setting and of no shadows;
+    # and 99% of the bound wherever some static setting (the working set fits) reaches it.
+    goals = {"within_0.3_of_envelope": True, "bound_99pct_where_it_fits": True}
     rows = []
     for gb in sizes:
         at = {r["policy"]: r for r in runs
               if r["device_gb"] == gb and not r["policy"].startswith("periodic-")}
         default, old, plain = at["shadowradix"], at["end-only"], at["no-shadows"]
+        life = at["adaptive-lifetime"]
         b = best[gb]
         gap = 100 * (default["hit_rate"] - b["hit_rate"])
-        goals["within_1_point"] &= gap >= -1.0
-        goals["never_below_no_shadows"] &= default["hit_rate"] >= plain["hit_rate"]
+        top = max(b["hit_rate"], plain["hit_rate"])
+        goals["within_0.3_of_envelope"] &= 100 * (default["hit_rate"] - top) >= -0.3
+        if top >= 0.99 * bound:
+            goals["bound_99pct_where_it_fits"] &= default["hit_rate"] >= 0.99 * bound
         setting = b["policy"] + (f", share {b['window_ratio']:g}"
                                  if b["policy"] != "no-shadows" else "")
         rows.append({"device_gb": gb, "best_static": b["hit_rate"], "best_setting": setting,
                      "default": default["hit_rate"], "end_only": old["hit_rate"],
-                     "no_shadows": plain["hit_rate"], "gap_points": gap})
+                     "no_shadows": plain["hit_rate"], "gap_points": gap,
+                     "adaptive_lifetime": life["hit_rate"]})
         table.add_row(f"{gb:g}", f"{100 * b['hit_rate']:.1f}", setting,
                       f"{100 * default['hit_rate']:.1f}", f"{gap:+.1f}",
                       f"{100 * old['hit_rate']:.1f}", f"{100 * plain['hit_rate']:.1f}",
-                      f"{default['hit_rate'] / bound:.0%}")
+                      f"{default['hit_rate'] / bound:.0%}", f"{100 * life['hit_rate']:.1f}")
     console.print(table)
     slowest = max(r["seconds"] for r in runs if r["policy"] == "shadowradix")
     at256 = [r for r in rows if r["device_gb"] == 256]

@@ -218,6 +218,18 @@ class AdaptiveMachine(CacheMachine):
         assert self.cache.used_bytes() <= self.budget
 
 
+class LifetimeMachine(AdaptiveMachine):
+    """The default's eviction under one budget: loose pages, kept checkpoints and leaves
+    compete by age (tree/lifetime.py), from a small stretch so the three walks interleave
+    from the first eviction on, and with the stretch moving with the misses."""
+
+    policy = CheckpointPolicy(learn_resume=True, every_pages=2, adaptive_lifetime=True)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache.tree.lifetime.log2_stretch = 1.0
+
+
 class UnboundedAdaptiveMachine(CacheMachine):
     policy = CheckpointPolicy(learn_resume=True)
     pages = 10_000
@@ -256,6 +268,7 @@ TestEager = _test_case(EagerMachine)
 TestPeriodic = _test_case(PeriodicMachine)
 TestNoShadows = _test_case(NoShadowsMachine)
 TestAdaptive = _test_case(AdaptiveMachine)
+TestLifetime = _test_case(LifetimeMachine)
 TestUnboundedAdaptive = _test_case(UnboundedAdaptiveMachine)
 TestWindowOnly = _test_case(WindowOnlyMachine)
 TestUnbounded = _test_case(UnboundedMachine)

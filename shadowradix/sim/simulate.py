@@ -26,6 +26,7 @@ from shadowradix.tree.policy import ALIASES, POLICIES, CheckpointPolicy, periodi
 from shadowradix.tree.tier import DEVICE, HOST
 
 POLICY_NAMES = ("shadowradix", "end-only", "periodic", "eager-swa", "no-shadows")
+EXTRA_POLICIES = ("adaptive-lifetime",)  # taken by name, not in the default comparison
 TIERS = ("device", "host", "storage")
 SHARED_FALLBACK_RATIO = 0.2  # the default policy's window share when a host tier is on
 
@@ -47,7 +48,9 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
     "adaptive" is its old name). The static settings, for comparison: end-only (sequence
     ends and branch points, the old default), periodic (+ a checkpoint every K pages),
     eager SWA release (SGLang), no shadows (a conventional radix cache that keeps the
-    window for every token). ValueError for an unknown name, checkpoint_every < 1 or a
+    window for every token). adaptive-lifetime: the default with a learned lifetime for
+    loose resume points under its shared budget (tree/lifetime.py; not the default yet).
+    ValueError for an unknown name, checkpoint_every < 1 or a
     window_ratio outside (0, 1] (0 is not "the shared budget": that is the default's)."""
     if not _is_int(checkpoint_every) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
@@ -58,8 +61,10 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
         return PolicyChoice(f"periodic-{checkpoint_every}", periodic(checkpoint_every),
                             window_ratio)
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
-    ratio = {"shadowradix": None, "no-shadows": 1.0}.get(name, window_ratio)
+        raise ValueError(f"unknown policy {name!r}; use one of "
+                         f"{', '.join(POLICY_NAMES + EXTRA_POLICIES)}")
+    ratio = {"shadowradix": None, "adaptive-lifetime": None, "no-shadows": 1.0}.get(
+        name, window_ratio)
     return PolicyChoice(name, POLICIES[name], ratio)
 
 

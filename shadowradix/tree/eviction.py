@@ -8,11 +8,13 @@ owns only the LRU heaps, and is mixed into the tree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
 
 from shadowradix.layout.spec import KVLayout
+from shadowradix.tree.lifetime import LooseLifetime
 from shadowradix.tree.lru import LRUHeap
 from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.policy import CheckpointPolicy
@@ -39,6 +41,8 @@ class Eviction:
     full_pin_rows: list[int]
     window_pin_rows: list[int]
     _n_nodes: int
+    _clock: int
+    lifetime: LooseLifetime
 
     def _init_eviction(self) -> None:
         """Per tier: leaves, and per short-lived pool the nodes with pages outside /
@@ -85,74 +89,97 @@ class Eviction:
         """One byte budget for every device pool: let at least `want` bytes go, if that
         many are unlocked, choosing across pools (page_bytes: bytes per page, per row).
 
-        Loose WINDOW / CHECKPOINT pages go first, least recently used first: away from a
-        kept checkpoint they let nothing resume. Then whichever is older of the least
-        recently used kept checkpoint (its pages in every short-lived pool go together:
-        one is useless without the others) and the least recently used leaf (every pool).
-        So the window pool grows and shrinks against the others with what is used.
-        One tier only; mutates; evict_bytes(0, _) is a no-op.
+        Oldest first, whichever of: the least recently used leaf (every pool), kept
+        checkpoint (its pages in every short-lived pool go together: one is useless
+        without the others) and node's loose WINDOW / CHECKPOINT pages (those away from
+        a kept checkpoint, together too), a loose page's age counted `stretch` times.
+        Under `adaptive_lifetime` the stretch is learned (tree/lifetime.py); otherwise
+        loose pages go before anything else. So the window pool grows and shrinks
+        against the others with what is used. One tier only; mutates; evict_bytes(0, _)
+        is a no-op.
         """
         if self.tiers != 1:
             raise ValueError("a shared byte budget needs a tree without a host tier")
         freed: Freed = [[[] for _ in range(self.n_pools)]]
         got = _Tally(freed, page_bytes)
-        if want > 0 and self.policy.tombstones:
+        if want <= 0:
+            return self._evict_result(freed)
+        if self.policy.tombstones and not self.policy.adaptive_lifetime:
+            for row in self.short_lived_rows:  # loose pages first, every row
+                short = want - got()
+                if short > 0:
+                    self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed,
+                                    None)
+        self._evict_older(want, page_bytes, freed, got)
+        # Pages the walk above did not reach (rows other than the one it walks by).
+        for kept in (False, True) if self.policy.tombstones else ():
             for row in self.short_lived_rows:
                 short = want - got()
                 if short > 0:
-                    self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed, None)
-        if want > got():
-            self._evict_older(want, page_bytes, freed, got)
-        for row in self.short_lived_rows if self.policy.tombstones else []:
-            short = want - got()  # kept pages the walk above did not reach (other rows)
-            if short > 0:
-                self._tombstone(DEVICE, row, True, -(-short // page_bytes[row]), freed, None)
+                    self._tombstone(DEVICE, row, kept, -(-short // page_bytes[row]), freed,
+                                    None)
         return self._evict_result(freed)
 
     def _evict_older(self, want: int, page_bytes: list[int], freed: Freed,
                      got: _Tally) -> None:
-        """Kept checkpoints against leaves, older first, until `want` bytes are freed."""
+        """Leaves, kept checkpoints and loose pages, oldest first (a loose page's age
+        stretched), until `want` bytes are freed."""
         rows = self.short_lived_rows if self.policy.tombstones else []
         lead = max(rows, key=lambda r: page_bytes[r]) if rows else None
-        leaves = self._leaves[DEVICE].oldest(lambda n: not n.children)
-        kept = (self._kept[DEVICE][lead].oldest(lambda n: self._has(n, DEVICE, lead, True))
-                if lead is not None else iter(()))
+        stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
         skipped: list[Node] = []
-        leaf, ckpt = self._next_free(leaves, skipped), self._next_free(kept, skipped, lead)
-        while (leaf or ckpt) and got() < want:
-            if ckpt is not None and (leaf is None or ckpt.last_access <= leaf.last_access):
-                if ckpt.alive:
-                    self._drop_checkpoints(ckpt, rows, freed)
-                ckpt = self._next_free(kept, skipped, lead)
-            else:
-                assert leaf is not None
-                if leaf.alive and not leaf.children:
-                    self._remove_leaf(leaf, freed)
-                leaf = self._next_free(leaves, skipped)
-        for node in (*skipped, *(n for n in (leaf, ckpt) if n is not None)):
+        walks = [_Walk(self, None, False, skipped)]
+        if lead is not None:
+            walks += [_Walk(self, lead, True, skipped), _Walk(self, lead, False, skipped)]
+        now = self._clock
+
+        def stamp(w: _Walk) -> float:
+            assert w.node is not None
+            if w.row is None or w.kept:
+                return w.node.last_access
+            return -math.inf if stretch == math.inf else (
+                now - (now - w.node.last_access) * stretch)
+
+        while got() < want:
+            live = [w for w in walks if w.node is not None]
+            if not live:
+                break
+            w = min(live, key=stamp)
+            node = w.node
+            assert node is not None
+            if node.alive and w.row is None:
+                if not node.children:
+                    self._remember(node, loose=False)
+                    self._remove_leaf(node, freed)
+            elif node.alive and w.row is not None:
+                self._drop_short(node, rows, freed, w.kept)
+                if node.alive and self._has(node, DEVICE, w.row, w.kept):
+                    skipped.append(node)  # its remaining pages are locked
+            w.advance()
+        for node in (*skipped, *(w.node for w in walks if w.node is not None)):
             if node.alive:
                 self._enqueue(node)
 
-    def _next_free(self, it: Iterator[Node], skipped: list[Node],
-                   row: int | None = None) -> Node | None:
-        """The next node from an LRU walk that a lock does not hold (locked ones are set
-        aside in `skipped`, to be queued again)."""
-        for node in it:
-            locked = (node.full_lock > 0 if row is None
-                      else not np.count_nonzero(self._free_cells(node, DEVICE, row, True)))
-            if not locked:
-                return node
-            skipped.append(node)
-        return None
-
-    def _drop_checkpoints(self, node: Node, rows: list[int], freed: Freed) -> None:
-        """Tombstone a node's unlocked kept pages in every short-lived pool."""
+    def _drop_short(self, node: Node, rows: list[int], freed: Freed, kept: bool) -> None:
+        """Tombstone a node's unlocked kept (or loose) pages in every short-lived pool;
+        a leaf left with no resume point goes too."""
         for row in rows:
-            mask = self._free_cells(node, DEVICE, row, True)
+            mask = self._free_cells(node, DEVICE, row, kept)
             if np.count_nonzero(mask):
                 self._let_go(node, DEVICE, row, mask, freed)
-        if not node.children and node.full_lock == 0:
+        if not node.children and node.full_lock == 0 and self._dead(node):
+            self._remember(node, loose=not kept)
             self._drop_dead_leaf(node, freed)
+
+    def _remember(self, leaf: Node, loose: bool) -> None:
+        """A ghost of a leaf eviction lets go (adaptive_lifetime): see tree/lifetime.py."""
+        if self.policy.adaptive_lifetime and leaf.parent is not None:
+            # What the leaf would have served: up to its deepest resume point (its whole
+            # length when its last loose point just went).
+            pages = leaf.n_pages if loose else int(
+                np.flatnonzero(self.rule.resumable(leaf.pages))[-1])
+            self.lifetime.remember(leaf.id, leaf.parent.id, leaf.key(self.page_size),
+                                   pages, loose, self._n_nodes)
 
     def prune(self, node: Node) -> EvictResult | None:
         """Remove `node` and unlocked ancestors while each is a leaf no tier can resume
@@ -403,6 +430,37 @@ class Eviction:
             for row in self.short_lived_rows:
                 self._loose[tier][row].add(node)
                 self._kept[tier][row].add(node)
+
+
+class _Walk:
+    """One LRU walk of `_evict_older`: whole unlocked leaves (row None), or the nodes with
+    unlocked kept (kept) or loose (not kept) pages in short-lived pool `row`. `node` is the
+    next one (None: the walk is over); locked nodes go to `skipped`, to be queued again."""
+
+    def __init__(self, tree: Eviction, row: int | None, kept: bool,
+                 skipped: list[Node]) -> None:
+        self.tree, self.row, self.kept, self.skipped = tree, row, kept, skipped
+        self.it: Iterator[Node]
+        if row is None:
+            self.it = tree._leaves[DEVICE].oldest(lambda n: not n.children)
+        else:
+            heap = (tree._kept if kept else tree._loose)[DEVICE][row]
+            self.it = heap.oldest(lambda n: tree._has(n, DEVICE, row, kept))
+        self.node: Node | None = None
+        self.advance()
+
+    def advance(self) -> None:
+        for node in self.it:
+            if self.row is None:
+                locked = node.full_lock > 0
+            else:
+                locked = not np.count_nonzero(
+                    self.tree._free_cells(node, DEVICE, self.row, self.kept))
+            if not locked:
+                self.node = node
+                return
+            self.skipped.append(node)
+        self.node = None
 
 
 class _Tally:

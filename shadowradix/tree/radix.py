@@ -24,6 +24,7 @@ import numpy as np
 
 from shadowradix.layout.spec import KVLayout, Retention
 from shadowradix.tree.eviction import Eviction
+from shadowradix.tree.lifetime import Ghost, LooseLifetime
 from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.results import InsertResult, LockHandle, MatchResult, Peek, _Probe
@@ -86,6 +87,7 @@ class ShadowRadix(Eviction):
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
+        self.lifetime = LooseLifetime()  # read only under policy.adaptive_lifetime
         self._init_eviction()
 
     # ------------------------------------------------------------------ match
@@ -100,7 +102,8 @@ class ShadowRadix(Eviction):
         resume point. An admission that may still be refused matches with
         record=False and calls `record` once it goes ahead.
         """
-        probe = self._probe(as_tokens(tokens))
+        tokens = as_tokens(tokens)
+        probe = self._probe(tokens)
         path, depth, resume = probe.path, probe.depth, probe.resume
         target, tail = self._node_ending_at(path, resume)
         deepest = path[-1][0] if path else self.root
@@ -108,7 +111,7 @@ class ShadowRadix(Eviction):
         m = MatchResult(resume * self.page_size, depth * self.page_size,
                         probe.table[:, :resume].copy(), target,
                         probe.on_device * self.page_size if tiers else None,
-                        probe.host, probe.load, deepest, tail)
+                        probe.host, probe.load, deepest, tail, self._ghost(tokens, probe))
         if record:
             self.record(m)
         return m
@@ -126,6 +129,8 @@ class ShadowRadix(Eviction):
             node = node.parent
         if self.policy.learn_resume:
             self._learn(m, deepest)
+        if self.policy.adaptive_lifetime and self.tiers == 1:
+            self._weigh(m)
         if (self.policy.branch_points and m.logical_len > m.prefix_len and deepest is not None
                 and deepest.alive and deepest is not self.root):
             depth = m.logical_len // self.page_size
@@ -136,6 +141,38 @@ class ShadowRadix(Eviction):
                 deepest.branch = True
             return tail
         return None
+
+    def _ghost(self, tokens: np.ndarray, probe: _Probe) -> Ghost | None:
+        """The evicted leaf a match would have gone on into (adaptive_lifetime, one tier):
+        its walk stopped at a node's end for want of a child, where a leaf was let go."""
+        if not self.policy.adaptive_lifetime or self.tiers > 1 or not len(self.lifetime):
+            return None
+        ps = self.page_size
+        last = probe.path[-1] if probe.path else None
+        if last is not None and last[1] < last[0].n_pages:
+            return None  # it stopped inside a node: that is a fork, not a missing child
+        if (probe.depth + 1) * ps >= tokens.size:
+            return None  # nothing left past it that a child could have served
+        at = self.root if last is None else last[0]
+        ghost = self.lifetime.find(at.id, tokens[probe.depth * ps:(probe.depth + 1) * ps]
+                                   .tobytes())
+        if ghost is None:
+            return None  # at most the pages this prompt has left past the stop
+        return ghost._replace(pages=min(ghost.pages, (tokens.size - 1) // ps - probe.depth))
+
+    def _weigh(self, m: MatchResult) -> None:
+        """What the match missed, for the loose points' lifetime (tree/lifetime.py): the
+        pages between its resume point and its logical hit, and a ghost's pages."""
+        ps = self.page_size
+        loose, leaf = (m.logical_len - m.prefix_len) // ps, 0
+        if m.ghost is not None:
+            self.lifetime.forget(m.ghost)
+            if m.ghost.loose:
+                loose += m.ghost.pages
+            else:
+                leaf += m.ghost.pages
+        if loose or leaf:
+            self.lifetime.observe(loose, leaf)
 
     def _learn(self, m: MatchResult, deepest: Node | None) -> None:
         """Count how far before the end of the sequence it matched into a match's logical

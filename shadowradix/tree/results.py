@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shadowradix.tree.lifetime import Ghost
 from shadowradix.tree.node import Node
 
 
@@ -41,6 +42,8 @@ class MatchResult:
     # The tail a split at P cut off the node that now ends at P: it may be left with no
     # resume point of its own (dead weight the caller prunes).
     tail: Node | None = field(default=None, repr=False)
+    # An evicted leaf this match would have gone on into (adaptive_lifetime only).
+    ghost: Ghost | None = field(default=None, repr=False)
 
     @property
     def device_prefix_len(self) -> int:
