@@ -135,9 +135,14 @@ class BodyReader:
         # a connection with its body unread resets it, and the client's kernel then throws
         # away the 413 it was about to read. Past twice the limit (declared or counted) the
         # answer goes at once, and such a client may see only the reset.
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        # With `Expect: 100-continue` the client waits to be asked for its body: refusing
+        # a declared length over the limit then costs no body at all (reading one would
+        # ask for it).
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
         over = declared.isdigit() and int(declared) > limit
-        if over and int(declared) > 2 * limit:
+        expects = headers.get(b"expect", b"").lower() == b"100-continue"
+        if over and (int(declared) > 2 * limit or expects):
             raise self.too_large(limit)
         chunks: list[bytes] = []
         size, more = 0, True

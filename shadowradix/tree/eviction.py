@@ -129,8 +129,9 @@ class Eviction:
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
         skipped: list[Node] = []
         walks = [_Walk(self, None, False, skipped)]
-        if lead is not None:
-            walks += [_Walk(self, lead, True, skipped), _Walk(self, lead, False, skipped)]
+        if lead is not None:  # first on a tie (min keeps the first): loose, kept, leaf
+            walks = [_Walk(self, lead, False, skipped), _Walk(self, lead, True, skipped),
+                     *walks]
         now = self._clock
 
         def stamp(w: _Walk) -> float:
@@ -149,7 +150,7 @@ class Eviction:
             assert node is not None
             if node.alive and w.row is None:
                 if not node.children:
-                    self._remember(node, loose=False)
+                    self._remember(node, loose=False, whole=True)
                     self._remove_leaf(node, freed)
             elif node.alive and w.row is not None:
                 self._drop_short(node, rows, freed, w.kept)
@@ -168,16 +169,16 @@ class Eviction:
             if np.count_nonzero(mask):
                 self._let_go(node, DEVICE, row, mask, freed)
         if not node.children and node.full_lock == 0 and self._dead(node):
-            self._remember(node, loose=not kept)
+            self._remember(node, loose=not kept, whole=False)
             self._drop_dead_leaf(node, freed)
 
-    def _remember(self, leaf: Node, loose: bool) -> None:
-        """A ghost of a leaf eviction lets go (adaptive_lifetime): see tree/lifetime.py."""
+    def _remember(self, leaf: Node, loose: bool, whole: bool) -> None:
+        """A ghost of a leaf eviction lets go (adaptive_lifetime): see tree/lifetime.py.
+        What the leaf would have served: up to its deepest resume point when it goes whole,
+        all of it when it goes because its last resume point did (`whole` False)."""
         if self.policy.adaptive_lifetime and leaf.parent is not None:
-            # What the leaf would have served: up to its deepest resume point (its whole
-            # length when its last loose point just went).
-            pages = leaf.n_pages if loose else int(
-                np.flatnonzero(self.rule.resumable(leaf.pages))[-1])
+            pages = int(np.flatnonzero(self.rule.resumable(leaf.pages))[-1]) if whole else (
+                leaf.n_pages)
             self.lifetime.remember(leaf.id, leaf.parent.id, leaf.key(self.page_size),
                                    pages, loose, self._n_nodes)
 
