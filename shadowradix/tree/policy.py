@@ -61,7 +61,7 @@ DEFAULT_EVERY_PAGES = 16
 DEFAULT = CheckpointPolicy(learn_resume=True, every_pages=DEFAULT_EVERY_PAGES)
 # The default plus a learned lifetime for the other pages' resume points (#22, not the
 # default yet): it equals a plain radix cache where memory holds a prompt-only chat's
-# working set, but loses up to 1.7 points on the synthetic trace at 256 GB (README).
+# working set, but loses 3.6 points on the synthetic trace at 256 GB (README).
 ADAPTIVE_LIFETIME = replace(DEFAULT, adaptive_lifetime=True)
 
 # The policies the simulator compares at equal bytes (issue: simulator, section 2).
