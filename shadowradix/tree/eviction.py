@@ -168,8 +168,9 @@ class Eviction:
             mask = self._free_cells(node, DEVICE, row, kept)
             if np.count_nonzero(mask):
                 self._let_go(node, DEVICE, row, mask, freed)
-        if not node.children and node.full_lock == 0 and self._dead(node):
-            self._remember(node, loose=not kept, whole=False)
+        if not node.children and node.full_lock == 0:
+            if self.policy.adaptive_lifetime and self._dead(node):
+                self._remember(node, loose=not kept, whole=False)
             self._drop_dead_leaf(node, freed)
 
     def _remember(self, leaf: Node, loose: bool, whole: bool) -> None:
