@@ -40,7 +40,13 @@ class CacheConfig:
     """How much cache the engine keeps, and where.
 
     page_size: tokens per logical page (a multiple of every compression ratio).
-    device_tokens: L1 capacity in logical tokens; every pool is sized from it.
+    device_tokens: L1 capacity in logical tokens; every pool is sized from it (a fixed
+        share each), unless `device_bytes` is set.
+    device_bytes: L1 capacity in bytes, one arena every device pool draws its pages from
+        (pool/arena.py), so the window pool grows and shrinks against the others with what
+        the workload uses; HiSparse's hot buffers are set apart from it. None: pools sized
+        from `device_tokens`. With it, `window_tokens` and `state_tokens` must be None, and
+        `device_tokens` sizes only the C4 pool HiSparse keeps in host memory.
     host_tokens: L2 capacity in logical tokens (0: no host tier). Host pools mirror
         the device pools; pages evicted from the device stay reusable from there.
     write_policy: when device pages are copied to the host: "write_through" (every
@@ -92,6 +98,7 @@ class CacheConfig:
 
     page_size: int = 256
     device_tokens: int = 65536
+    device_bytes: int | None = None
     host_tokens: int = 0
     write_policy: str = "write_through"
     write_hit_threshold: int = 2
@@ -113,6 +120,14 @@ class CacheConfig:
                 or self.device_tokens % self.page_size:
             raise ValueError(f"device_tokens must be a positive multiple of page_size "
                              f"({self.page_size}), got {self.device_tokens!r}")
+        if self.device_bytes is not None:
+            if not _is_int(self.device_bytes) or self.device_bytes < 1:
+                raise ValueError(f"device_bytes must be None or an int >= 1, "
+                                 f"got {self.device_bytes!r}")
+            apart = [n for n in ("window_tokens", "state_tokens") if getattr(self, n) is not None]
+            if apart:
+                raise ValueError(f"{' and '.join(apart)} size pools of their own; with "
+                                 f"device_bytes every pool shares one arena (leave them None)")
         if not _is_int(self.host_tokens) or self.host_tokens < 0 \
                 or self.host_tokens % self.page_size:
             raise ValueError(f"host_tokens must be 0 (no host tier) or a positive multiple of "

@@ -30,6 +30,7 @@ from shadowradix.engine.validation import checked_batch, model_layout
 from shadowradix.engine.verify import verify
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
+from shadowradix.pool.arena import Arena
 from shadowradix.model.attention import CSA
 from shadowradix.model.compressor import rewind_states
 from shadowradix.model.context import RequestKV
@@ -90,9 +91,14 @@ class Engine:
         self._c4_ratio = int(self.layout.pool("c4").ratio or 1) if self._csa_layers else 1
         self._check_hisparse(config)
         resident = ("c4",) if config.hisparse_buffer is not None else ()
+        arena = None
+        if config.device_bytes is not None:
+            arena = Arena(self.layout, config.device_bytes, self.device,
+                          names=[n for n in self.layout.pool_names if n not in resident],
+                          reserved_bytes=self._hot_bytes(config, pages))
         self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
                                    device=self.device, host_pages=host_pages,
-                                   in_host_memory=resident)
+                                   in_host_memory=resident, arena=arena)
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   [*cfg.layer_types, *extra])
@@ -135,18 +141,32 @@ class Engine:
                              f"newest entry needs a slot besides the {self._index_topk} read),"
                              f" got {config.hisparse_buffer}")
 
+    def _hot_requests(self, config: CacheConfig, pages: dict[str, int]) -> int:
+        """HiSparse: how many hot-buffer sets, by default as many as the bytes the C4 pool
+        would have taken on the device hold."""
+        assert config.hisparse_buffer is not None
+        per_page = self.layout.pool("c4").entries_per_page(self.layout.page_size)
+        return config.hisparse_requests or max(1, pages["c4"] * per_page
+                                               // config.hisparse_buffer)
+
+    def _hot_bytes(self, config: CacheConfig, pages: dict[str, int]) -> int:
+        """HiSparse's hot buffers' bytes, set apart from an arena (0 without HiSparse)."""
+        if config.hisparse_buffer is None:
+            return 0
+        spec = self.layout.pool("c4")
+        return (len(self._csa_layers) * self._hot_requests(config, pages)
+                * config.hisparse_buffer * spec.entry_bytes)
+
     def _hot_buffers(self, config: CacheConfig) -> HotBuffers | None:
-        """HiSparse's device arena: `hisparse_requests` buffer sets, by default as many as
-        the bytes the C4 pool would have taken on the device hold."""
+        """HiSparse's device buffers: `_hot_requests` buffer sets."""
         n = config.hisparse_buffer
         if n is None:
             return None
         spec = self.layout.pool("c4")
         per_page = spec.entries_per_page(self.layout.page_size)
-        requests = config.hisparse_requests or max(
-            1, self._prefix.pools["c4"].num_pages * per_page // n)
-        return HotBuffers(self._csa_layers, requests, n, per_page, spec.entry_shape,
-                          getattr(torch, spec.dtype), self.device)
+        pages = {"c4": self._prefix.pools["c4"].num_pages}
+        return HotBuffers(self._csa_layers, self._hot_requests(config, pages), n, per_page,
+                          spec.entry_shape, getattr(torch, spec.dtype), self.device)
 
     @classmethod
     def from_hf(cls, hf_model: Any, config: CacheConfig, **kwargs: Any) -> Engine:

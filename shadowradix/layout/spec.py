@@ -109,16 +109,19 @@ class PoolSpec:
             return 0
         return -(-(self.window - 1) // page_size)
 
-    def entry_index(self, page_table: Any, positions: Any, page_size: int) -> Any:
-        """Derived address of each position's entry: page * entries_per_page + offset.
+    def entry_index(self, page_table: Any, positions: Any, page_size: int,
+                    page_entries: int | None = None) -> Any:
+        """Derived address of each position's entry: page * page_entries + offset, where
+        page_entries (the entries from one page's start to the next's) is
+        entries_per_page unless the pool's pages are spaced wider (an arena's slabs).
 
         Works on numpy arrays and on torch tensors alike (only indexing and
         integer arithmetic). Positions of a CHECKPOINT pool address the state
         at the end of their page.
         """
-        epp = self.entries_per_page(page_size)
+        stride = self.entries_per_page(page_size) if page_entries is None else page_entries
         ratio = page_size if self.ratio is None else self.ratio
-        return page_table[positions // page_size] * epp + (positions % page_size) // ratio
+        return page_table[positions // page_size] * stride + (positions % page_size) // ratio
 
 
 @dataclass(frozen=True)

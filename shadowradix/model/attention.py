@@ -252,7 +252,7 @@ def _snapshot(store: PagedStorage, req: RequestKV, layer: int, w0: int, ratio: i
     rows = [(i, p) for (i, _), p in zip(ends, physical, strict=True) if p >= 0]
     if rows:
         entries = torch.stack([torch.cat([c4[i], idx[i]], dim=-1) for i, _ in rows])
-        store.flat("state", layer)[[p for _, p in rows]] = entries
+        store.flat("state", layer)[[store.page_entry("state", p) for _, p in rows]] = entries
 
 
 def resume_states(store: PagedStorage, req: RequestKV, layer_types: list[str],
@@ -266,7 +266,7 @@ def resume_states(store: PagedStorage, req: RequestKV, layer_types: list[str],
     """
     if resume_pages == 0 or CSA not in layer_types:
         return
-    page = int(req.page_tables["state"][resume_pages - 1])  # read once, not per layer
+    page = int(store.page_entry("state", int(req.page_tables["state"][resume_pages - 1])))
     for layer, kind in enumerate(layer_types):
         if kind != CSA:
             continue

@@ -95,10 +95,15 @@ class PagedStorage:
         return cls(layout, pools, index)
 
     def flat(self, pool: str, layer: int) -> torch.Tensor:
-        """Entries of `pool` for model layer `layer`, as [pages * entries_per_page, *entry]."""
+        """Entries of `pool` for model layer `layer`, as [pages * page_entries, *entry]."""
         return self.pools[pool].flat(self.pool_layer[(pool, layer)])
 
     def address(self, pool: str, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat entry index of each token position (DESIGN.md §2: derived, never stored)."""
         spec = self.layout.pool(pool)
-        return spec.entry_index(table, positions, self.layout.page_size)
+        return spec.entry_index(table, positions, self.layout.page_size,
+                                self.pools[pool].page_entries)
+
+    def page_entry(self, pool: str, pages: Any) -> Any:
+        """Flat index of the first entry of each page (a CHECKPOINT pool's one entry)."""
+        return pages * self.pools[pool].page_entries

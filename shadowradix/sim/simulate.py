@@ -16,6 +16,7 @@ from numbers import Integral
 from typing import Any
 
 from shadowradix.layout.spec import KVLayout
+from shadowradix.pool.arena import Arena
 from shadowradix.sim.replay import CountingMover, replay
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget, pages_for_shared_budget
 from shadowradix.sim.storage import SimStorage
@@ -69,12 +70,17 @@ def policy_choice(name: str, checkpoint_every: int = 8, window_ratio: float = 0.
 
 
 def make_cache(layout: KVLayout, choice: PolicyChoice, device_bytes: float,
-               host_bytes: float = 0.0) -> PrefixCache:
+               host_bytes: float = 0.0, arena: bool = False) -> PrefixCache:
     """The metadata-only cache a choice gets at these byte sizes: fixed pools split by its
     window_ratio, or (window_ratio None, device alone) pools that share one budget.
-    With a host tier a shared-budget choice splits at SHARED_FALLBACK_RATIO instead."""
-    ratio = _window_ratio(choice, bool(host_bytes))
+    With a host tier a shared-budget choice splits at SHARED_FALLBACK_RATIO instead.
+    `arena`: a shared-budget choice draws its pages from the engine's arena (pool/arena.py:
+    frames, so fragmentation counts; with a host tier too) instead of a byte count."""
+    ratio = _window_ratio(choice, bool(host_bytes) and not arena)
     host = pages_for_budget(layout, host_bytes, ratio or 1.0) if host_bytes else None
+    if ratio is None and arena:
+        return PrefixCache(layout, {}, choice.policy, host_pages=host,
+                           arena=Arena(layout, int(device_bytes)))
     if ratio is None:
         return PrefixCache(layout, pages_for_shared_budget(layout, device_bytes), choice.policy,
                            budget=int(device_bytes))
@@ -137,19 +143,20 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
              on_request: Callable[[int], None] | None = None,
              bound: float | None = None, host_gb: float = 0.0,
              write_policy: str = "write_through",
-             storage_gb: float = 0.0) -> dict[str, Any]:
+             storage_gb: float = 0.0, arena: bool = False) -> dict[str, Any]:
     """One replay; `device_gb=None` means unbounded memory; `host_gb` > 0 adds a host
     tier of that size (pools split like the device's); `storage_gb` > 0 an L3 store of
-    that size (inf: unbounded). Returns the JSON record."""
+    that size (inf: unbounded); `arena`: see `make_cache`. Returns the JSON record."""
     _check_sizes(device_gb, host_gb, storage_gb, write_policy)
-    ratio = _window_ratio(choice, bool(host_gb))
+    arena = arena and device_gb is not None and choice.window_ratio is None
+    ratio = _window_ratio(choice, bool(host_gb) and not arena)
     if device_gb is None:
         tokens = sum(r.input_length + r.output_length for r in requests) + layout.page_size
         pages = {p.name: -(-tokens // layout.page_size) + 1 for p in layout.pools}
         cache = PrefixCache(layout, pages, choice.policy, host_pages=(
             pages_for_budget(layout, host_gb * GB, ratio or 1.0) if host_gb else None))
     else:
-        cache = make_cache(layout, choice, device_gb * GB, host_gb * GB)
+        cache = make_cache(layout, choice, device_gb * GB, host_gb * GB, arena)
     pages = {n: p.num_pages for n, p in cache.pools.items()}
     budget = cache.budget
     host_pages = bool(cache.host_pools)
@@ -162,6 +169,7 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     st = replay(cache, requests, with_output=True, chunk_pages=chunk_pages,
                 on_request=on_request, host=host, storage=store)
     seconds = time.perf_counter() - t0
+    frames = cache.stats().get("arena")  # what fragmentation the replay left
     cache.flush(DEVICE)
     if host_pages:
         cache.flush(HOST)
@@ -176,9 +184,11 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
         "policy": choice.name, "layout": layout.name, "page_size": layout.page_size,
         "device_gb": device_gb, "host_gb": host_gb, "storage_gb": storage_gb,
         "write_policy": write_policy if host_pages else None,
-        "window_ratio": ratio, "shared_budget": budget is not None,
+        "window_ratio": ratio, "shared_budget": budget is not None or arena,
+        "arena": frames,
         "pool_pages": pages,
-        "pool_bytes": budget if budget is not None else budget_bytes(pages, layout),
+        "pool_bytes": budget if budget is not None else frames["bytes"] if frames else (
+            budget_bytes(pages, layout)),
         "requests": st.requests, "refused": st.refused,
         "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
         "cached_by_tier": {"device": st.cached_tokens - st.host_tokens - st.storage_tokens,

@@ -125,8 +125,10 @@ class CacheManager:
         pools (nothing else locked), its chunks cut to fit by `chunk_end`. Exact for these
         leases: with one page less in some pool there is a step where the request holds
         its resume pages (or, in an ALL pool, every page) and needs one more."""
-        return all(self.cache.pools[n].num_pages >= k
-                   for n, k in self.peak_pages(tokens).items())
+        peak = self.peak_pages(tokens)
+        if self.cache.arena is not None:
+            return self.cache.fits_arena(peak)
+        return all(self.cache.pools[n].num_pages >= k for n, k in peak.items())
 
     def chunk_end(self, lease: Lease, start: int, end: int) -> int:
         """Where a chunk [start, end) of a running request must end for its pages to fit
@@ -145,10 +147,33 @@ class CacheManager:
         pages a request holds or pins there, plus those it grows from `have` to `_want(e)`,
         fit in the pool."""
         ps = self.page_size
+        arena = self.cache.arena
         for row in self._capped:
+            if arena is not None and self.names[row] in arena.names:
+                continue
             room = self._pool_pages[row] - base[row] + have[row]  # the most pages it may want
             end = min(end, room * ps + (ps - 1 if self._whole_only[row] else 0))
-        return end
+        if arena is None or self._frames_at(end, base, have) <= arena.frames:
+            return end
+        lo, hi = 0, end  # the frames it takes grow with e: the largest e that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._frames_at(mid, base, have) <= arena.frames else (lo, mid)
+        return lo
+
+    def _frames_at(self, end: int, base: Sequence[int], have: Sequence[int]) -> int:
+        """Arena: the frames a request takes on its own once it reaches `end`: every page
+        of an ALL pool, its `base` pages of a window or checkpoint pool and those it grows
+        there from `have`."""
+        want, frames = self._want(end), 0
+        pools = self.cache.pools
+        for row, n in enumerate(self.names):
+            if n not in self.cache.arena.names:  # type: ignore[union-attr]
+                continue
+            pages = base[row] + max(want[row] - have[row], 0) if row in self._capped \
+                else want[row]
+            frames += -(-pages // pools[n].per_frame)  # type: ignore[union-attr]
+        return frames
 
     # -------------------------------------------------------------- admit
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
@@ -217,7 +242,9 @@ class CacheManager:
         try:
             self.cache.record(m)
             got = self._alloc(need)
-            assert got is not None  # checked above
+            if got is None:  # an arena's frames stayed short after evicting (see alloc)
+                self.abort(lease)
+                return None
             if load:
                 lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
             for row, n in enumerate(self.names):
@@ -423,6 +450,14 @@ class CacheManager:
             return True
         if cache.budget is not None:  # bytes, not pages: the simulator runs one at a time
             return False
+        if cache.arena is not None:  # frames, not pages: share every held copy, then ask
+            shared = False
+            for lease in list(self.leases):
+                hit = self._held_copies(lease)
+                if hit is not None:
+                    self._share_held(lease, hit)
+                    shared = True
+            return shared and cache.can_alloc(need)
         found = {lease: self._held_copies(lease) for lease in self.leases}
         gain = np.zeros(len(self.names), dtype=np.int64)
         for hit in found.values():

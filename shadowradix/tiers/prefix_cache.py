@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from shadowradix.layout.spec import KVLayout
+from shadowradix.layout.spec import KVLayout, Retention
 from shadowradix.pool.allocator import PAGE_DTYPE, PagePool
+from shadowradix.pool.arena import Arena, ArenaPool
 from shadowradix.tree.node import Node
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.radix import ShadowRadix
@@ -39,6 +40,8 @@ def _pools(layout: KVLayout, sizes: dict[str, int], device: Any, pin_memory: boo
     cuda = device is not None and str(device).startswith("cuda")
     pools = {}
     for spec in layout.pools:
+        if spec.name not in sizes:
+            continue
         storage = None
         if device is not None:
             from shadowradix.pool.storage import PoolStorage
@@ -64,27 +67,51 @@ class PrefixCache:
 
     `in_host_memory`: device-tier pools whose tensors live in CPU memory (pinned when
     `device` is CUDA). The tree treats them as any L1 pool; HiSparse keeps the C4 pool
-    there and only hot copies of its entries on the device."""
+    there and only hot copies of its entries on the device.
+
+    `arena` (pool/arena.py): the device pools (all but `in_host_memory`) draw their pages
+    from its frames, with or without tensors, host tier or not; `pages` then sizes only
+    the pools in host memory. Allocation evicts until the frames the pages need are free
+    (`_make_frames`)."""
 
     def __init__(self, layout: KVLayout, pages: int | Mapping[str, int],
                  policy: CheckpointPolicy | None = None, device: Any = None,
                  host_pages: int | Mapping[str, int] | None = None,
-                 budget: int | None = None, in_host_memory: Collection[str] = ()) -> None:
-        if budget is not None and (device is not None or host_pages is not None or budget < 0):
+                 budget: int | None = None, in_host_memory: Collection[str] = (),
+                 arena: Arena | None = None) -> None:
+        if budget is not None and (device is not None or host_pages is not None or budget < 0
+                                   or arena is not None):
             raise ValueError("a shared budget needs metadata-only device pools (device=None), "
-                             "no host tier, and budget >= 0")
+                             "no host tier, no arena, and budget >= 0")
         self.layout = layout
         self.budget = budget
+        self.arena = arena
         self._page_bytes = layout.page_bytes()
         self._row_bytes = [self._page_bytes[p.name] for p in layout.pools]
         self.tree = ShadowRadix(layout, policy, host=host_pages is not None)
-        self.pools: dict[str, PagePool] = _pools(layout, _sizes(layout, pages), device,
-                                                 in_host_memory=in_host_memory)
-        self.host_pools: dict[str, PagePool] = {}
+        self.pools: dict[str, PagePool | ArenaPool]
+        self._arena_pools: dict[str, ArenaPool] = {}
+        if arena is None:
+            self.pools = dict(_pools(layout, _sizes(layout, pages), device,
+                                     in_host_memory=in_host_memory))
+        else:
+            on_device = set(layout.pool_names) - set(in_host_memory)
+            if set(arena.names) != on_device:
+                raise ValueError(f"the arena holds pools {sorted(arena.names)}; the device "
+                                 f"pools are {sorted(on_device)}")
+            self._arena_pools = arena.pools()
+            apart = {n: pages if isinstance(pages, int) else pages[n] for n in in_host_memory}
+            self.pools = {**_pools(layout, apart, device, in_host_memory=in_host_memory),
+                          **self._arena_pools} if apart else dict(self._arena_pools)
+            self.pools = {n: self.pools[n] for n in layout.pool_names}
+            # Bytes an eviction counts: a pool in host memory frees no frame.
+            self._arena_row_bytes = [b if p.name in self._arena_pools else 0
+                                     for p, b in zip(layout.pools, self._row_bytes, strict=True)]
+        self.host_pools: dict[str, PagePool | ArenaPool] = {}
         if host_pages is not None:
             cuda = device is not None and str(device).startswith("cuda")
-            self.host_pools = _pools(layout, _sizes(layout, host_pages),
-                                     None if device is None else "cpu", pin_memory=cuda)
+            self.host_pools = dict(_pools(layout, _sizes(layout, host_pages),
+                                          None if device is None else "cpu", pin_memory=cuda))
         self.evicted = {name: 0 for name in layout.pool_names}
         self.evicted_host = {name: 0 for name in layout.pool_names}
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
@@ -93,7 +120,7 @@ class PrefixCache:
     def has_host(self) -> bool:
         return bool(self.host_pools)
 
-    def tier_pools(self, tier: int) -> dict[str, PagePool]:
+    def tier_pools(self, tier: int) -> dict[str, PagePool | ArenaPool]:
         return self.pools if tier == DEVICE else self.host_pools
 
     def tensor(self, pool: str, tier: int = DEVICE) -> Any:
@@ -146,10 +173,63 @@ class PrefixCache:
         if not all(pools[name].free_pages + tree.evictable(name, tier) >= n
                    for name, n in need.items() if n > 0):
             return False
+        if self.arena is not None and tier == DEVICE:
+            return self._frames_within_reach(need)
         if self.budget is None or tier != DEVICE:
             return True
         evictable = sum(tree.evictable(name) * self._page_bytes[name] for name in pools)
         return self._short_bytes(need) <= evictable
+
+    def fits_arena(self, pages: Mapping[str, int]) -> bool:
+        """Whether `pages` (per pool) fit in an empty cache: in the arena's frames, and in
+        the pools of their own (in host memory)."""
+        assert self.arena is not None
+        frames = 0
+        for name, n in pages.items():
+            pool = self.pools[name]
+            if isinstance(pool, ArenaPool):
+                frames += -(-n // pool.per_frame)
+            elif pool.num_pages < n:
+                return False
+        return frames <= self.arena.frames
+
+    def _frames_within_reach(self, need: Mapping[str, int]) -> bool:
+        """Arena: whether `need` would fit were every evictable page gone and the rest
+        packed tight. Eviction frees a frame only once all its pages go, so `alloc` may
+        still come up short (it then returns None); this never refuses what could fit."""
+        assert self.arena is not None
+        held = frames = 0
+        for name, pool in self._arena_pools.items():
+            k = pool.per_frame
+            left = pool.used_pages - self.tree.evictable(name)
+            n = need.get(name, 0)
+            held += -(-left // k)
+            spare = -(-left // k) * k - left
+            if n > spare:
+                frames += -(-(n - spare) // k)
+        return held + frames <= self.arena.frames
+
+    def _make_frames(self, need: Mapping[str, int], room: SpillRoom | None) -> bool:
+        """Arena: evict until the frames `need` takes beyond its pools' free slots are
+        free. Without a host tier, across pools by age (`evict_bytes`, as under a byte
+        budget); with one, the short-lived pools first, then whole prefixes (device
+        pages then stay reusable from the host). False when eviction runs dry first."""
+        assert self.arena is not None
+        arena, fb = self.arena, self.arena.plan.frame_bytes
+        while (short := arena.frames_short(self._arena_pools, need)) > 0:
+            before = sum(p.used_pages for p in self._arena_pools.values())
+            if not self.has_host:
+                self.release(self.tree.evict_bytes(short * fb, self._arena_row_bytes))
+            else:
+                order = sorted(self._arena_pools.values(), key=lambda p: (
+                    p.spec.retention is Retention.ALL, -self._page_bytes[p.name]))
+                for pool in order:
+                    if arena.frames_short(self._arena_pools, need) <= 0:
+                        break
+                    self.evict(pool.name, short * pool.per_frame, DEVICE, room)
+            if sum(p.used_pages for p in self._arena_pools.values()) == before:
+                return False
+        return True
 
     def _short_bytes(self, need: Mapping[str, int]) -> int:
         """Shared budget: bytes that must be let go before `need` fits (<= 0: none)."""
@@ -169,11 +249,19 @@ class PrefixCache:
         (device pages the eviction drops move into `room`'s host pages: write-back).
 
         Checks first: returns None, changing nothing, when free plus evictable pages do
-        not cover some pool (`can_alloc`).
+        not cover some pool (`can_alloc`). Over an arena it may also return None after
+        evicting, when the frames could not be freed (pages of running requests spread
+        over them).
         """
         if not self.can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
+        if self.arena is not None and tier == DEVICE:
+            t0 = time.perf_counter()
+            made = self._make_frames(need, room)
+            self.evict_seconds += time.perf_counter() - t0
+            if not made:
+                return None
         if self.budget is not None and tier == DEVICE:
             short = self._short_bytes(need)
             if short > 0:
@@ -237,6 +325,8 @@ class PrefixCache:
         """Tree invariants, pool free lists, and that every used page has exactly one
         owner: the tree, or a request (`held`, per pool). Raises AssertionError."""
         self.tree.check_integrity()
+        if self.arena is not None:
+            self.arena.check_integrity(self._arena_pools)
         for tier in range(self.tree.tiers):
             where = "" if tier == DEVICE else " (host)"
             for name, pool in self.tier_pools(tier).items():
@@ -257,6 +347,8 @@ class PrefixCache:
     def stats(self) -> dict[str, Any]:
         tree: TreeStats = self.tree.stats()
         out = tree.as_dict()
+        if self.arena is not None:
+            out["arena"] = self.arena.stats(self._arena_pools)
         for name, pool in self.pools.items():
             entry = out["pools"][name]  # type: ignore[index]
             entry.update(capacity=pool.num_pages, free=pool.free_pages,

@@ -1,0 +1,309 @@
+"""One device byte budget for every pool: an arena of equal frames, each cut into pages of
+the one pool that holds it (a slab).
+
+    frame   frame_bytes of the arena, free or held by one pool
+    slab    a held frame cut into `per_frame[pool]` pages of that pool, each `stride[pool]`
+            bytes apart (at least the pool's page bytes); page id = frame * per_frame + slot
+
+A pool takes a frame when its slabs are full and gives it back when its last page there is
+freed, so the window pool grows and shrinks against the others with what the workload uses,
+however different their page sizes. The frame is the largest page, grown where needed so
+that every pool's slab is a whole number of aligned entries (`plan_frames`): a page's
+address stays linear in its id (`id * stride`), so a pool over the arena is an ordinary
+strided `[layers, pages, entries, *entry]` tensor and every reader of pool tensors works
+unchanged.
+
+What it costs, both counted by `Arena.stats`:
+    slack   the bytes of a frame past its last slot (frame_bytes - per_frame * page bytes):
+            fixed by the plan, a few percent at most for DeepSeek-V4's pools.
+    holes   free slots in frames a pool still holds: a frame goes back only once every
+            page in it is free. Allocation fills the fullest frame first so the emptiest
+            drain; what remains after a long replay is what eviction could not reclaim.
+
+The simulator's metadata-only pools use this same code (no tensor), so a replay counts the
+fragmentation the engine would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shadowradix.layout.spec import KVLayout, PoolSpec
+from shadowradix.pool.allocator import PAGE_DTYPE, PoolExhausted
+
+if TYPE_CHECKING:
+    from shadowradix.pool.storage import PoolStorage
+
+FREE = -1  # owner of a free frame
+MAX_GROWTH = 2.0  # the frame search looks up to this many times the largest page
+
+
+@dataclass(frozen=True)
+class FramePlan:
+    """How an arena's frames are cut: frame_bytes, and per pool the pages a frame holds
+    and the bytes between their starts."""
+
+    frame_bytes: int
+    per_frame: dict[str, int]
+    stride: dict[str, int]
+
+    def slack(self, pool: str, page_bytes: int) -> float:
+        """Share of a frame of `pool` no page of it covers."""
+        return 1 - self.per_frame[pool] * page_bytes / self.frame_bytes
+
+
+def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> FramePlan:
+    """The frame for `layout`'s pools: the smallest, from the largest page up, whose mean
+    slack is least (or under 1%), where every pool's slab is a whole number of pages a whole number of
+    entries apart (so a page's entries stay aligned in its dtype). Packed (metadata-only)
+    entries need no alignment: the frame is then the largest page."""
+    ps = layout.page_size
+    specs = [p for p in layout.pools if names is None or p.name in names]
+    if not specs:
+        raise ValueError("an arena needs at least one pool")
+    sizes = {p.name: (p.page_bytes(ps), p.entry_bytes) for p in specs}
+    largest = max(b for b, _ in sizes.values())
+    if any(p.entry_bytes_override is not None for p in specs):
+        return FramePlan(largest, {n: largest // b for n, (b, _) in sizes.items()},
+                         {n: b for n, (b, _) in sizes.items()})
+    step = sizes[max(sizes, key=lambda n: sizes[n][0])][1]
+    best: tuple[float, int, dict[str, int]] | None = None
+    frame = -(-largest // step) * step
+    while frame <= MAX_GROWTH * largest:
+        cut = {n: _per_frame(frame, b, e) for n, (b, e) in sizes.items()}
+        if all(cut.values()):
+            waste = sum(frame - cut[n] * b for n, (b, _) in sizes.items()) / (
+                len(sizes) * frame)
+            if best is None or waste < best[0] - 1e-12:
+                best = (waste, frame, cut)
+                if waste < 0.01:
+                    break
+        frame += step
+    if best is None:  # no aligned cut within reach: one page of each pool per frame
+        frame = int(np.lcm.reduce([e for _, e in sizes.values()]))
+        frame *= -(-largest // frame)
+        best = (0.0, frame, {n: 1 for n in sizes})
+    _, frame, cut = best
+    return FramePlan(frame, cut, {n: frame // k for n, k in cut.items()})
+
+
+def _per_frame(frame: int, page_bytes: int, entry_bytes: int) -> int:
+    """The most pages of `page_bytes` a frame holds at one stride that divides it and is a
+    multiple of `entry_bytes`; 0 if none."""
+    k = frame // page_bytes
+    while k and (frame % k or (frame // k) % entry_bytes):
+        k -= 1
+    return k
+
+
+class Arena:
+    """Frames of `plan.frame_bytes` in `total_bytes` (less `reserved_bytes`, set apart for
+    something else: HiSparse's hot buffers), shared by the pools `names` of one layout
+    (None: all). With `device`, one uint8 tensor holds them and every pool views it
+    (`ArenaPool.storage`)."""
+
+    def __init__(self, layout: KVLayout, total_bytes: int, device: Any = None,
+                 names: Collection[str] | None = None, reserved_bytes: int = 0) -> None:
+        if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes < 0:
+            raise ValueError(f"arena bytes must be an int >= 0, got {total_bytes!r}")
+        self.layout = layout
+        self.names = tuple(p.name for p in layout.pools if names is None or p.name in names)
+        self.plan = plan_frames(layout, self.names)
+        fb = self.plan.frame_bytes
+        self.reserved_frames = -(-reserved_bytes // fb) if reserved_bytes > 0 else 0
+        self.frames = total_bytes // fb - self.reserved_frames
+        if self.frames < 1:
+            raise ValueError(f"an arena of {total_bytes} bytes holds no frame of {fb} bytes "
+                             f"(the largest page, aligned)" + (
+                                 f" besides the {self.reserved_frames} set apart"
+                                 if self.reserved_frames else ""))
+        self.total_bytes = total_bytes
+        self.owner = np.full(self.frames, FREE, dtype=np.int8)  # pool row, or FREE
+        self._free = np.arange(self.frames - 1, -1, -1, dtype=PAGE_DTYPE)
+        self._top = self.frames
+        self.data = None
+        if device is not None:
+            import torch
+
+            self.data = torch.zeros(self.frames * fb, dtype=torch.uint8, device=device)
+
+    @property
+    def free_frames(self) -> int:
+        return self._top
+
+    def take(self, n: int, row: int) -> np.ndarray:
+        if n > self._top:
+            raise PoolExhausted(f"arena: asked for {n} frames, {self._top} free")
+        self._top -= n
+        frames = self._free[self._top:self._top + n][::-1].copy()
+        self.owner[frames] = row
+        return frames
+
+    def give(self, frames: np.ndarray) -> None:
+        self.owner[frames] = FREE
+        self._free[self._top:self._top + frames.size] = frames
+        self._top += frames.size
+
+    def pools(self) -> dict[str, ArenaPool]:
+        """One pool per layout pool, drawing frames from this arena."""
+        return {spec.name: ArenaPool(self, row, spec)
+                for row, spec in enumerate(self.layout.pools) if spec.name in self.names}
+
+    def frames_short(self, pools: Mapping[str, ArenaPool], need: Mapping[str, int]) -> int:
+        """Frames `need` takes beyond the pools' free slots, less the free frames (<= 0:
+        it fits now)."""
+        frames = 0
+        for name, n in need.items():
+            pool = pools[name]
+            extra = n - pool.slots_free
+            if extra > 0:
+                frames += -(-extra // pool.per_frame)
+        return frames - self._top
+
+    def stats(self, pools: Mapping[str, ArenaPool]) -> dict[str, Any]:
+        """Bytes per pool (frames held), what their pages use, and fragmentation."""
+        fb, ps = self.plan.frame_bytes, self.layout.page_size
+        out: dict[str, Any] = {"frame_bytes": fb, "frames": self.frames,
+                               "free_frames": self._top, "bytes": self.frames * fb,
+                               "reserved_bytes": self.reserved_frames * fb, "pools": {}}
+        held = used = 0
+        for name, pool in pools.items():
+            page = pool.spec.page_bytes(ps)
+            frames = pool.frames_held
+            held += frames * fb
+            used += pool.used_pages * page
+            out["pools"][name] = {"frames": frames, "bytes": frames * fb,
+                                  "used_bytes": pool.used_pages * page,
+                                  "free_slots": pool.slots_free, "per_frame": pool.per_frame}
+        out["used_bytes"] = used
+        out["fragmented_bytes"] = held - used  # slack plus holes in held frames
+        return out
+
+    def check_integrity(self, pools: Mapping[str, ArenaPool]) -> None:
+        free = self._free[:self._top]
+        if np.unique(free).size != free.size or (self.owner[free] != FREE).any():
+            raise AssertionError("arena: the free frame list is inconsistent")
+        if int((self.owner == FREE).sum()) != self._top:
+            raise AssertionError("arena: free frames are not all on the free list")
+        for pool in pools.values():
+            pool.check_integrity()
+
+
+class ArenaPool:
+    """A pool's pages over an Arena: the PagePool interface (alloc, free, can_alloc,
+    in_use, free_pages, used_pages, num_pages, check_integrity), page ids up to
+    frames * per_frame. `free_pages` counts what it could take with nothing else
+    allocating (its free slots plus every free frame): pools share the free frames, so
+    `Arena.frames_short` is what answers whether several pools' needs fit together."""
+
+    def __init__(self, arena: Arena, row: int, spec: PoolSpec) -> None:
+        self.arena = arena
+        self.row = row
+        self.spec = spec
+        self.page_size = arena.layout.page_size
+        self.per_frame = arena.plan.per_frame[spec.name]
+        self.num_pages = arena.frames * self.per_frame
+        if self.num_pages >= np.iinfo(PAGE_DTYPE).max:
+            raise ValueError(f"pool {spec.name!r}: {self.num_pages} pages exceed int32 ids")
+        self._in_use = np.zeros(self.num_pages, dtype=bool)
+        self._used = np.zeros(arena.frames, dtype=np.int32)  # pages in use, per frame
+        self.used_pages = 0
+        self.frames_held = 0
+        self.storage: PoolStorage | None = None
+        if arena.data is not None:
+            from shadowradix.pool.storage import PoolStorage
+
+            self.storage = PoolStorage.over(arena.data, spec, self.page_size, self.num_pages,
+                                            arena.plan.stride[spec.name])
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def slots_free(self) -> int:
+        """Free pages in frames this pool holds."""
+        return self.frames_held * self.per_frame - self.used_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self.slots_free + self.arena.free_frames * self.per_frame
+
+    def can_alloc(self, n: int) -> bool:
+        return 0 <= n <= self.free_pages
+
+    def alloc(self, n: int) -> np.ndarray:
+        """Take `n` pages: free slots of the fullest held frames first, then new frames.
+        Raises PoolExhausted (changing nothing) if they do not fit."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > self.free_pages:
+            raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "
+                                f"{self.free_pages} free in the arena")
+        if n == 0:
+            return np.empty(0, PAGE_DTYPE)
+        k = self.per_frame
+        parts = []
+        left = n
+        if self.slots_free:
+            mine = np.flatnonzero((self.arena.owner == self.row) & (self._used < k))
+            mine = mine[np.argsort(-self._used[mine], kind="stable")]  # fullest first
+            for frame in mine:
+                slots = np.flatnonzero(~self._in_use[frame * k:(frame + 1) * k])[:left]
+                parts.append(slots.astype(PAGE_DTYPE) + PAGE_DTYPE(frame * k))
+                left -= slots.size
+                if not left:
+                    break
+        if left:
+            frames = self.arena.take(-(-left // k), self.row)
+            self.frames_held += frames.size
+            new = (frames[:, None].astype(np.int64) * k + np.arange(k)).ravel()[:left]
+            parts.append(new.astype(PAGE_DTYPE))
+        pages = np.concatenate(parts)
+        self._in_use[pages] = True
+        np.add.at(self._used, pages // k, 1)
+        self.used_pages += n
+        return pages
+
+    def free(self, pages: np.ndarray) -> None:
+        """Return pages; a frame whose last page goes back returns to the arena. Raises
+        ValueError (changing nothing) on a page not in use."""
+        pages = np.asarray(pages, dtype=PAGE_DTYPE).ravel()
+        if pages.size == 0:
+            return
+        try:  # as unsigned, a negative id is out of range instead of wrapping around
+            used = self._in_use[pages.view(np.uint32)]
+        except IndexError:
+            raise ValueError(f"pool {self.name!r}: page ids out of range in free()") from None
+        if np.count_nonzero(used) < used.size:
+            raise ValueError(f"pool {self.name!r}: double free of pages "
+                             f"{pages[~self._in_use[pages]][:8].tolist()}")
+        self._in_use[pages] = False
+        frames = pages // self.per_frame
+        np.subtract.at(self._used, frames, 1)
+        self.used_pages -= pages.size
+        empty = np.unique(frames[self._used[frames] == 0])
+        if empty.size:
+            self.frames_held -= empty.size
+            self.arena.give(empty)
+
+    def in_use(self, pages: np.ndarray) -> np.ndarray:
+        return self._in_use[np.asarray(pages, dtype=PAGE_DTYPE)]
+
+    def check_integrity(self) -> None:
+        k = self.per_frame
+        per_frame = self._in_use.reshape(-1, k).sum(axis=1)
+        if not np.array_equal(per_frame, self._used):
+            raise AssertionError(f"pool {self.name!r}: per-frame counts disagree with pages")
+        mine = self.arena.owner == self.row
+        if (self._used[~mine] != 0).any():
+            raise AssertionError(f"pool {self.name!r}: a page in use in a frame it does not "
+                                 f"hold")
+        if (self._used[mine] == 0).any():
+            raise AssertionError(f"pool {self.name!r}: holds an empty frame")
+        if int(mine.sum()) != self.frames_held or int(self._used.sum()) != self.used_pages:
+            raise AssertionError(f"pool {self.name!r}: frame or page counts disagree")
