@@ -72,6 +72,29 @@ def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
     return wrapped
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count, >= 1, in bytes or with a unit: 40GiB, 512MiB, 1.5GB, 4096 (KB, MB, GB,
+    TB are powers of 1000; KiB, MiB, GiB, TiB of 1024; case does not matter)."""
+    raw = text.strip()
+    number = raw.rstrip("BbKkMmGgTtIi")
+    unit = raw[len(number):].strip().lower()
+    want = "a byte size >= 1 such as 40GiB, 512MiB, 1.5GB or 4096"
+    try:
+        value = float(number.strip()) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+    if not math.isfinite(value) or value < 1 or value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+    return int(value)
+
+
+byte_size.__name__ = "a byte size"
+
 positive_int = int_range(1)
 non_negative_int = int_range(0)
 port = int_range(0, 65535)

@@ -30,13 +30,13 @@ from shadowradix.engine.validation import checked_batch, model_layout
 from shadowradix.engine.verify import verify
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
-from shadowradix.pool.arena import Arena
 from shadowradix.model.attention import CSA
 from shadowradix.model.compressor import rewind_states
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.model.mtp import MTPBlock, load_mtp
 from shadowradix.model.mtp_runner import MTPRunner
+from shadowradix.pool.arena import Arena
 from shadowradix.sparse import AccessStream
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.host_tier import HostTier
@@ -605,6 +605,7 @@ class Engine:
             "host": {**self.host.counts, "bytes_moved": self.host.mover.bytes_moved}
             if self.host else {},
             "pools": cache["pools"],
+            "arena": cache.get("arena"),
             "nodes": cache["nodes"],
             "storage_errors": self.storage.errors if self.storage else 0,
             "storage_bytes": {"read": self.storage.bytes_read if self.storage else 0,
@@ -622,7 +623,8 @@ class Engine:
         """A cheap snapshot for a server's metrics, taken between steps on the engine's
         thread (unlike stats(), no tree walk): queue lengths, pages in use per tier and
         pool, preemptions, storage errors, bytes moved by direction, and HiSparse's
-        lookups (None when it is off), and speculative decoding's counters."""
+        lookups (None when it is off), speculative decoding's counters, and with
+        `device_bytes` the arena's bytes held per pool and free (None without)."""
         pages = {"device": {n: p.used_pages for n, p in self._prefix.pools.items()}}
         if self._prefix.has_host:
             pages["host"] = {n: p.used_pages for n, p in self._prefix.host_pools.items()}
@@ -640,7 +642,18 @@ class Engine:
                              "storage": store.bytes_written if store is not None else 0},
             "hisparse": self.hot.totals() if self.hot is not None else None,
             "spec": self.speculator.stats(),
+            "arena_bytes": self._prefix.arena_bytes(),
         }
+
+    def arena_info(self) -> dict[str, Any] | None:
+        """The device arena's shape (None without `device_bytes`): frame bytes, frames,
+        the bytes set apart for HiSparse's hot buffers, pages of each pool per frame."""
+        arena = self._prefix.arena
+        if arena is None:
+            return None
+        return {"frame_bytes": arena.plan.frame_bytes, "frames": arena.frames,
+                "reserved_bytes": arena.reserved_frames * arena.plan.frame_bytes,
+                "pages_per_frame": dict(arena.plan.per_frame)}
 
     def max_sequence_len(self) -> int:
         """The longest prompt + output one request can ever hold: the device pools with

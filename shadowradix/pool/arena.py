@@ -57,10 +57,11 @@ class FramePlan:
 
 
 def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> FramePlan:
-    """The frame for `layout`'s pools: the smallest, from the largest page up, whose mean
-    slack is least (or under 1%), where every pool's slab is a whole number of pages a whole number of
-    entries apart (so a page's entries stay aligned in its dtype). Packed (metadata-only)
-    entries need no alignment: the frame is then the largest page."""
+    """The frame for `layout`'s pools (`names`; None: all): the smallest, from the largest
+    page up, whose mean slack is least (or under 1%), where every pool's slab is a whole
+    number of pages a whole number of entries apart (so a page's entries stay aligned in
+    its dtype). Packed (metadata-only) entries need no alignment: the frame is then the
+    largest page."""
     ps = layout.page_size
     specs = [p for p in layout.pools if names is None or p.name in names]
     if not specs:
@@ -155,10 +156,12 @@ class Arena:
 
     def frames_short(self, pools: Mapping[str, ArenaPool], need: Mapping[str, int]) -> int:
         """Frames `need` takes beyond the pools' free slots, less the free frames (<= 0:
-        it fits now)."""
+        it fits now). Pools not in `pools` (not in the arena) take none."""
         frames = 0
         for name, n in need.items():
-            pool = pools[name]
+            pool = pools.get(name)
+            if pool is None:
+                continue
             extra = n - pool.slots_free
             if extra > 0:
                 frames += -(-extra // pool.per_frame)

@@ -71,6 +71,9 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
         self.pages_used = gauge("pages_used", "Pages in use (cached or held by requests), by "
                                 "tier and pool.", "tier", "pool")
+        self.arena_bytes = gauge("arena_bytes", "With --device-bytes: bytes of the device "
+                                 "arena's frames each pool holds (pool=\"free\": frames no "
+                                 "pool holds).", "pool")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
                               TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Between consecutive deliveries "
@@ -109,6 +112,8 @@ class ServerMetrics:
         for tier, pools in status["pages_used"].items():
             for pool, used in pools.items():
                 self.pages_used.labels(m, tier, pool).set(used)
+        for pool, held in (status.get("arena_bytes") or {}).items():
+            self.arena_bytes.labels(m, pool).set(held)
         self._advance(self.preemptions.labels(m), "preemptions", status["preemptions"])
         self._advance(self.storage_errors.labels(m), "storage_errors", status["storage_errors"])
         for tier, n in status["loaded_bytes"].items():

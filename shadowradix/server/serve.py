@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the command line parses its arguments without importing tor
     from shadowradix.server.runtime import Limits, Runtime
 
 from shadowradix.flags import (
+    byte_size,
     checked,
     int_range,
     non_negative_float,
@@ -54,6 +55,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="tokens per page (default: 16 for tiny, 256 otherwise)")
     ap.add_argument("--device-tokens", type=positive_int, default=None,
                     help="L1 capacity in tokens (default: 2048 pages)")
+    ap.add_argument("--device-bytes", type=byte_size, default=None, metavar="SIZE",
+                    help="L1 as one byte budget that every pool draws pages from (40GiB, "
+                    "512MiB, ...): the window pool grows and shrinks with the workload; "
+                    "instead of --window-tokens / --state-tokens")
     ap.add_argument("--window-tokens", type=positive_int, default=None,
                     help="sliding-window pool size in tokens (default: --device-tokens)")
     ap.add_argument("--state-tokens", type=positive_int, default=None,
@@ -285,7 +290,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     speculative = spec_config(args)
     page = args.page_size if args.page_size is not None else (16 if tiny else 256)
     device = args.device_tokens if args.device_tokens is not None else 2048 * page
-    config = CacheConfig(page_size=page, device_tokens=device,
+    config = CacheConfig(page_size=page, device_tokens=device, device_bytes=args.device_bytes,
                          window_tokens=args.window_tokens, state_tokens=args.state_tokens,
                          host_tokens=args.host_tokens,
                          write_policy=args.write_policy, storage=args.storage,

@@ -170,15 +170,25 @@ class PrefixCache:
         """Whether `alloc(need, tier)` would succeed: free plus evictable pages cover every
         pool. Changes nothing."""
         pools, tree = self.tier_pools(tier), self.tree
+        shared = self._arena_pools if tier == DEVICE else {}  # frames any pool may free
         if not all(pools[name].free_pages + tree.evictable(name, tier) >= n
-                   for name, n in need.items() if n > 0):
+                   for name, n in need.items() if n > 0 and name not in shared):
             return False
-        if self.arena is not None and tier == DEVICE:
+        if shared:
             return self._frames_within_reach(need)
         if self.budget is None or tier != DEVICE:
             return True
         evictable = sum(tree.evictable(name) * self._page_bytes[name] for name in pools)
         return self._short_bytes(need) <= evictable
+
+    def arena_bytes(self) -> dict[str, int] | None:
+        """The arena's bytes per pool (the frames it holds) and "free"; None without an
+        arena. O(pools)."""
+        if self.arena is None:
+            return None
+        fb = self.arena.plan.frame_bytes
+        return {**{n: p.frames_held * fb for n, p in self._arena_pools.items()},
+                "free": self.arena.free_frames * fb}
 
     def fits_arena(self, pages: Mapping[str, int]) -> bool:
         """Whether `pages` (per pool) fit in an empty cache: in the arena's frames, and in
@@ -212,22 +222,26 @@ class PrefixCache:
     def _make_frames(self, need: Mapping[str, int], room: SpillRoom | None) -> bool:
         """Arena: evict until the frames `need` takes beyond its pools' free slots are
         free. Without a host tier, across pools by age (`evict_bytes`, as under a byte
-        budget); with one, the short-lived pools first, then whole prefixes (device
-        pages then stay reusable from the host). False when eviction runs dry first."""
+        budget); with one, or where that walk frees nothing, pool by pool: the short-lived
+        pools first, then whole prefixes (device pages then stay reusable from the host).
+        False when eviction runs dry first."""
         assert self.arena is not None
         arena, fb = self.arena, self.arena.plan.frame_bytes
-        while (short := arena.frames_short(self._arena_pools, need)) > 0:
-            before = sum(p.used_pages for p in self._arena_pools.values())
+        pools = self._arena_pools
+        order = sorted(pools.values(), key=lambda p: (p.spec.retention is Retention.ALL,
+                                                      -self._page_bytes[p.name]))
+        while (short := arena.frames_short(pools, need)) > 0:
+            before = sum(p.used_pages for p in pools.values())
             if not self.has_host:
                 self.release(self.tree.evict_bytes(short * fb, self._arena_row_bytes))
-            else:
-                order = sorted(self._arena_pools.values(), key=lambda p: (
-                    p.spec.retention is Retention.ALL, -self._page_bytes[p.name]))
+            if sum(p.used_pages for p in pools.values()) == before:
+                # A host tier, or what the walk by age cannot reach (kept checkpoints inside
+                # a running request's own locked prefix): pool by pool.
                 for pool in order:
-                    if arena.frames_short(self._arena_pools, need) <= 0:
+                    if arena.frames_short(pools, need) <= 0:
                         break
                     self.evict(pool.name, short * pool.per_frame, DEVICE, room)
-            if sum(p.used_pages for p in self._arena_pools.values()) == before:
+            if sum(p.used_pages for p in pools.values()) == before:
                 return False
         return True
 
