@@ -79,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="pages between checkpoints for the periodic policy")
     sim.add_argument("--window-ratio", type=share, default=0.1,
                      help="share of pages the window pool gets, in (0, 1] (SGLang: 0.1)")
+    sim.add_argument("--arena", action="store_true",
+                     help="the default policy's pools share the engine's device arena "
+                     "(frames: fragmentation counts, a host tier too) instead of a byte "
+                     "count (the ideal)")
     sim.add_argument("--chunk-pages", type=positive_int, default=32,
                      help="prefill chunk, in pages")
     sim.add_argument("--policy", default=",".join(POLICY_NAMES),
@@ -265,7 +269,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 runs.append(simulate(requests, layout, choice, size, chunk_pages=args.chunk_pages,
                                      on_request=tick, bound=bound, host_gb=args.host_gb,
                                      write_policy=args.write_policy,
-                                     storage_gb=args.storage_gb))
+                                     storage_gb=args.storage_gb, arena=args.arena))
                 progress.remove_task(task)
     _print_runs(console, runs, layout.name, len(requests), bound)
     if hisparse is not None:

@@ -17,8 +17,10 @@ What it costs, both counted by `Arena.stats`:
     slack   the bytes of a frame past its last slot (frame_bytes - per_frame * page bytes):
             fixed by the plan, a few percent at most for DeepSeek-V4's pools.
     holes   free slots in frames a pool still holds: a frame goes back only once every
-            page in it is free. Allocation fills the fullest frame first so the emptiest
-            drain; what remains after a long replay is what eviction could not reclaim.
+            page in it is free. Allocation fills the frame it touched last first, so pages
+            allocated together share frames and drain together (on the conversation trace
+            this beats fullest-first); what remains after a long replay is what eviction
+            could not reclaim.
 
 The simulator's metadata-only pools use this same code (no tensor), so a replay counts the
 fragmentation the engine would have.
@@ -26,6 +28,7 @@ fragmentation the engine would have.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -214,6 +217,7 @@ class ArenaPool:
             raise ValueError(f"pool {spec.name!r}: {self.num_pages} pages exceed int32 ids")
         self._in_use = np.zeros(self.num_pages, dtype=bool)
         self._used = np.zeros(arena.frames, dtype=np.int32)  # pages in use, per frame
+        self._partial: dict[int, None] = {}  # held frames with a free slot, last touched last
         self.used_pages = 0
         self.frames_held = 0
         self.storage: PoolStorage | None = None
@@ -240,35 +244,45 @@ class ArenaPool:
         return 0 <= n <= self.free_pages
 
     def alloc(self, n: int) -> np.ndarray:
-        """Take `n` pages: free slots of the fullest held frames first, then new frames.
+        """Take `n` pages: free slots of the frames it holds first (the one it touched last
+        first, so pages of one age share frames and drain together), then new frames.
         Raises PoolExhausted (changing nothing) if they do not fit."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > self.free_pages:
+        k = self.per_frame
+        spare = self.frames_held * k - self.used_pages
+        if n > spare + self.arena.free_frames * k:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "
                                 f"{self.free_pages} free in the arena")
         if n == 0:
             return np.empty(0, PAGE_DTYPE)
-        k = self.per_frame
-        parts = []
-        left = n
-        if self.slots_free:
-            mine = np.flatnonzero((self.arena.owner == self.row) & (self._used < k))
-            mine = mine[np.argsort(-self._used[mine], kind="stable")]  # fullest first
-            for frame in mine:
-                slots = np.flatnonzero(~self._in_use[frame * k:(frame + 1) * k])[:left]
-                parts.append(slots.astype(PAGE_DTYPE) + PAGE_DTYPE(frame * k))
-                left -= slots.size
-                if not left:
-                    break
+        if k == 1:  # a page is a frame
+            pages = self.arena.take(n, self.row)
+            self._used[pages] = 1
+            self._in_use[pages] = True
+            self.frames_held += n
+            self.used_pages += n
+            return pages
+        parts, left, used, partial = [], n, self._used, self._partial
+        while left and partial:
+            frame = next(reversed(partial))
+            slots = np.flatnonzero(~self._in_use[frame * k:(frame + 1) * k])[:left]
+            parts.append(slots.astype(PAGE_DTYPE) + PAGE_DTYPE(frame * k))
+            left -= slots.size
+            used[frame] += slots.size
+            if used[frame] == k:
+                del partial[frame]
         if left:
             frames = self.arena.take(-(-left // k), self.row)
             self.frames_held += frames.size
-            new = (frames[:, None].astype(np.int64) * k + np.arange(k)).ravel()[:left]
-            parts.append(new.astype(PAGE_DTYPE))
-        pages = np.concatenate(parts)
+            used[frames] = k
+            if left % k:  # the last one is cut short
+                used[frames[-1]] = left % k
+                partial[int(frames[-1])] = None
+            parts.append((frames[:, None].astype(np.int64) * k
+                          + np.arange(k)).ravel()[:left].astype(PAGE_DTYPE))
+        pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self._in_use[pages] = True
-        np.add.at(self._used, pages // k, 1)
         self.used_pages += n
         return pages
 
@@ -286,13 +300,26 @@ class ArenaPool:
             raise ValueError(f"pool {self.name!r}: double free of pages "
                              f"{pages[~self._in_use[pages]][:8].tolist()}")
         self._in_use[pages] = False
-        frames = pages // self.per_frame
-        np.subtract.at(self._used, frames, 1)
         self.used_pages -= pages.size
-        empty = np.unique(frames[self._used[frames] == 0])
-        if empty.size:
-            self.frames_held -= empty.size
-            self.arena.give(empty)
+        k = self.per_frame
+        if k == 1:
+            self._used[pages] = 0
+            self.frames_held -= pages.size
+            self.arena.give(pages.copy())
+            return
+        frames, counts = _tally(pages // k)
+        self._used[frames] -= counts
+        partial, left = self._partial, self._used[frames].tolist()
+        empty = []
+        for frame, n in zip(frames.tolist(), left, strict=True):
+            partial.pop(frame, None)
+            if n:
+                partial[frame] = None  # touched last: taken from first
+            else:
+                empty.append(frame)
+        if empty:
+            self.frames_held -= len(empty)
+            self.arena.give(np.array(empty, dtype=PAGE_DTYPE))
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
         return self._in_use[np.asarray(pages, dtype=PAGE_DTYPE)]
@@ -310,3 +337,18 @@ class ArenaPool:
             raise AssertionError(f"pool {self.name!r}: holds an empty frame")
         if int(mine.sum()) != self.frames_held or int(self._used.sum()) != self.used_pages:
             raise AssertionError(f"pool {self.name!r}: frame or page counts disagree")
+        partial = np.flatnonzero(mine & (self._used < k))
+        if sorted(self._partial) != partial.tolist():
+            raise AssertionError(f"pool {self.name!r}: the frames with a free slot are "
+                                 f"{partial.tolist()[:8]}, listed {sorted(self._partial)[:8]}")
+
+
+def _tally(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct frames and how often each occurs (a Counter for the few pages of one
+    step, a sort for the many of an eviction)."""
+    if frames.size > 64:
+        distinct, counts = np.unique(frames, return_counts=True)
+        return distinct, counts.astype(np.int32)
+    tally = Counter(frames.tolist())
+    return (np.fromiter(tally.keys(), np.int64, len(tally)),
+            np.fromiter(tally.values(), np.int32, len(tally)))

@@ -115,6 +115,8 @@ class PrefixCache:
         self.evicted = {name: 0 for name in layout.pool_names}
         self.evicted_host = {name: 0 for name in layout.pool_names}
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
+        self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
+        self.allocs = 0
 
     @property
     def has_host(self) -> bool:
@@ -267,6 +269,15 @@ class PrefixCache:
         evicting, when the frames could not be freed (pages of running requests spread
         over them).
         """
+        t_alloc = time.perf_counter()
+        try:
+            return self._alloc(need, tier, room)
+        finally:
+            self.alloc_seconds += time.perf_counter() - t_alloc
+            self.allocs += 1
+
+    def _alloc(self, need: Mapping[str, int], tier: int,
+               room: SpillRoom | None) -> dict[str, np.ndarray] | None:
         if not self.can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
