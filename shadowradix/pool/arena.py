@@ -244,8 +244,8 @@ class ArenaPool:
         return 0 <= n <= self.free_pages
 
     def alloc(self, n: int) -> np.ndarray:
-        """Take `n` pages: free slots of the frames it holds first (the one it touched last
-        first, so pages of one age share frames and drain together), then new frames.
+        """Take `n` pages: free slots of the frames it holds first (the one that last gained
+        one first, so pages of one age share frames and drain together), then new frames.
         Raises PoolExhausted (changing nothing) if they do not fit."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
@@ -308,18 +308,19 @@ class ArenaPool:
             self.arena.give(pages.copy())
             return
         frames, counts = _tally(pages // k)
-        self._used[frames] -= counts
-        partial, left = self._partial, self._used[frames].tolist()
-        empty = []
-        for frame, n in zip(frames.tolist(), left, strict=True):
-            partial.pop(frame, None)
-            if n:
-                partial[frame] = None  # touched last: taken from first
-            else:
-                empty.append(frame)
-        if empty:
-            self.frames_held -= len(empty)
-            self.arena.give(np.array(empty, dtype=PAGE_DTYPE))
+        used = self._used
+        was_full = used[frames] == k
+        used[frames] -= counts
+        left = used[frames]
+        partial = self._partial
+        for frame in frames[was_full & (left > 0)].tolist():
+            partial[frame] = None  # newly partial: touched last, taken from first
+        for frame in frames[~was_full & (left == 0)].tolist():
+            del partial[frame]
+        empty = frames[left == 0]
+        if empty.size:
+            self.frames_held -= empty.size
+            self.arena.give(empty.astype(PAGE_DTYPE))
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
         return self._in_use[np.asarray(pages, dtype=PAGE_DTYPE)]
