@@ -34,6 +34,7 @@ from shadowradix.model.context import RequestKV
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.storage_tier import Fetched
+from shadowradix.tree.tier import DEVICE
 
 _PENDING = Fetched(-1, -1, [])  # a prefetch still in flight
 _USED: Future[Fetched] = Future()  # a prefetch already used
@@ -104,6 +105,15 @@ class Scheduler:
                     req.landed, req.prefetch, fetched = landed, _USED, None
             chunk = max(budget, 1) if self.running else self.step_tokens
             lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True)
+            if lease is None and not self.running and manager.cache.arena is not None:
+                # Alone and still short: its own cached prefix pins frames it cannot use
+                # (an arena frees a frame only when all of it is free). Start it afresh
+                # over an empty device; `fits_ever` holds for that.
+                if manager.host is not None:  # write-back moves what it can to the host
+                    manager.host.flush_device()
+                else:
+                    manager.cache.flush(DEVICE)
+                lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True)
             if lease is None:
                 return  # waits for running requests to finish or cache pages
             try:

@@ -127,7 +127,7 @@ class CacheManager:
         its resume pages (or, in an ALL pool, every page) and needs one more."""
         peak = self.peak_pages(tokens)
         if self.cache.arena is not None:
-            return self.cache.fits_arena(peak)
+            return self.cache.fits_arena(peak, spread=[self.names[r] for r in self._capped])
         return all(self.cache.pools[n].num_pages >= k for n, k in peak.items())
 
     def chunk_end(self, lease: Lease, start: int, end: int) -> int:
@@ -163,16 +163,17 @@ class CacheManager:
 
     def _frames_at(self, end: int, base: Sequence[int], have: Sequence[int]) -> int:
         """Arena: the frames a request takes on its own once it reaches `end`: every page
-        of an ALL pool, its `base` pages of a window or checkpoint pool and those it grows
-        there from `have`."""
+        of an ALL pool (packed), its `base` pages of a window or checkpoint pool and those it
+        grows there from `have` (a frame each: see `PrefixCache.fits_arena`)."""
         want, frames = self._want(end), 0
         pools = self.cache.pools
         for row, n in enumerate(self.names):
             if n not in self.cache.arena.names:  # type: ignore[union-attr]
                 continue
-            pages = base[row] + max(want[row] - have[row], 0) if row in self._capped \
-                else want[row]
-            frames += -(-pages // pools[n].per_frame)  # type: ignore[union-attr]
+            if row in self._capped:
+                frames += base[row] + max(want[row] - have[row], 0)
+            else:
+                frames += -(-want[row] // pools[n].per_frame)  # type: ignore[union-attr]
         return frames
 
     # -------------------------------------------------------------- admit

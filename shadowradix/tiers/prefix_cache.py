@@ -192,15 +192,18 @@ class PrefixCache:
         return {**{n: p.frames_held * fb for n, p in self._arena_pools.items()},
                 "free": self.arena.free_frames * fb}
 
-    def fits_arena(self, pages: Mapping[str, int]) -> bool:
+    def fits_arena(self, pages: Mapping[str, int], spread: Collection[str] = ()) -> bool:
         """Whether `pages` (per pool) fit in an empty cache: in the arena's frames, and in
-        the pools of their own (in host memory)."""
+        the pools of their own (in host memory). Pages of a pool in `spread` count a frame
+        each: a request's window and state pages come and go while the tree's copies of the
+        pages before them stay, so they may sit one to a frame; its ALL pages it allocates
+        in order, at most one frame part-filled."""
         assert self.arena is not None
         frames = 0
         for name, n in pages.items():
             pool = self.pools[name]
             if isinstance(pool, ArenaPool):
-                frames += -(-n // pool.per_frame)
+                frames += n if name in spread else -(-n // pool.per_frame)
             elif pool.num_pages < n:
                 return False
         return frames <= self.arena.frames
