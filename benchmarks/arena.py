@@ -31,14 +31,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common import write_json
+from common import trace_args, trace_path, write_json
 from rich.console import Console
 from rich.table import Table
 
 from shadowradix.layout.presets import named_layout
 from shadowradix.sim.replay import replay
 from shadowradix.sim.simulate import GB, PolicyChoice, make_cache, policy_choice
-from shadowradix.sim.trace import bundled_trace, load_trace
+from shadowradix.sim.trace import load_trace
 from shadowradix.tree.policy import DEFAULT
 
 MODES = ("pools", "bytes", "arena")
@@ -77,15 +77,10 @@ def _run(job: tuple[str, float]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="conversation",
-                    help="conversation | synthetic (bundled) or a trace file")
-    ap.add_argument("--sizes", default="32,64,256", help="device GB, comma-separated")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=None)
+    trace_args(ap, "32,64,256")
     args = ap.parse_args(argv)
     console = Console(width=150)
-    trace = str(bundled_trace(args.trace)) if args.trace in ("conversation", "synthetic") else (
-        args.trace)
+    trace = trace_path(args.trace)
     sizes = [float(s) for s in args.sizes.split(",")]
     jobs = [(mode, gb) for gb in sizes for mode in MODES]
     console.print(f"{trace}: {len(jobs)} replays in {args.workers} processes; load average "

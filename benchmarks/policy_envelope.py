@@ -33,14 +33,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common import write_json
+from common import trace_args, trace_path, write_json
 from rich.console import Console
 from rich.table import Table
 
 from shadowradix.layout.presets import named_layout
 from shadowradix.sim.plot import envelope
 from shadowradix.sim.simulate import bound_hit_rate, policy_choice, simulate
-from shadowradix.sim.trace import bundled_trace, load_trace
+from shadowradix.sim.trace import load_trace
 
 ARENA = "shadowradix-arena"  # the default over the engine's arena (CacheConfig(device_bytes=))
 KS = (2, 4, 8, 16)
@@ -74,16 +74,11 @@ def _run(job: tuple[str, int, float, float, float]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="conversation",
-                    help="conversation | synthetic (bundled) or a trace file")
-    ap.add_argument("--sizes", default="64,128,256,512,1024", help="device GB, comma-separated")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=None)
+    trace_args(ap, "64,128,256,512,1024")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
     console = Console(width=150)
-    trace = str(bundled_trace(args.trace)) if args.trace in ("conversation", "synthetic") else (
-        args.trace)
+    trace = trace_path(args.trace)
     requests = load_trace(trace)
     bound = bound_hit_rate(requests, 256)
     sizes = [float(s) for s in args.sizes.split(",")]

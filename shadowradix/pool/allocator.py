@@ -19,6 +19,23 @@ if TYPE_CHECKING:
 PAGE_DTYPE = np.int32
 
 
+def checked_free(name: str, in_use: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """`pages` as int32 ids, marked free in `in_use`. Raises ValueError (changing nothing)
+    on an id out of range or not in use."""
+    pages = np.asarray(pages, dtype=PAGE_DTYPE).ravel()
+    if pages.size == 0:
+        return pages
+    try:  # as unsigned, a negative id is out of range instead of wrapping around
+        used = in_use[pages.view(np.uint32)]
+    except IndexError:
+        raise ValueError(f"pool {name!r}: page ids out of range in free()") from None
+    if np.count_nonzero(used) < used.size:
+        raise ValueError(f"pool {name!r}: double free of pages "
+                         f"{pages[~in_use[pages]][:8].tolist()}")
+    in_use[pages] = False
+    return pages
+
+
 class PoolExhausted(RuntimeError):
     """`alloc` was asked for more pages than are free. Call `can_alloc` first."""
 
@@ -77,17 +94,9 @@ class PagePool:
         Ids repeated within one call are not detected here (that would cost a
         sort per call); `check_integrity` finds the duplicate in the free list.
         """
-        pages = np.asarray(pages, dtype=PAGE_DTYPE).ravel()
+        pages = checked_free(self.name, self._in_use, pages)
         if pages.size == 0:
             return
-        try:  # as unsigned, a negative id is out of range instead of wrapping around
-            used = self._in_use[pages.view(np.uint32)]
-        except IndexError:
-            raise ValueError(f"pool {self.name!r}: page ids out of range in free()") from None
-        if np.count_nonzero(used) < used.size:
-            raise ValueError(f"pool {self.name!r}: double free of pages "
-                             f"{pages[~self._in_use[pages]][:8].tolist()}")
-        self._in_use[pages] = False
         self._free[self._top:self._top + pages.size] = pages
         self._top += pages.size
 

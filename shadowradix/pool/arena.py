@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shadowradix.layout.spec import KVLayout, PoolSpec
-from shadowradix.pool.allocator import PAGE_DTYPE, PoolExhausted
+from shadowradix.pool.allocator import PAGE_DTYPE, PoolExhausted, checked_free
 
 if TYPE_CHECKING:
     from shadowradix.pool.storage import PoolStorage
@@ -289,17 +289,9 @@ class ArenaPool:
     def free(self, pages: np.ndarray) -> None:
         """Return pages; a frame whose last page goes back returns to the arena. Raises
         ValueError (changing nothing) on a page not in use."""
-        pages = np.asarray(pages, dtype=PAGE_DTYPE).ravel()
+        pages = checked_free(self.name, self._in_use, pages)
         if pages.size == 0:
             return
-        try:  # as unsigned, a negative id is out of range instead of wrapping around
-            used = self._in_use[pages.view(np.uint32)]
-        except IndexError:
-            raise ValueError(f"pool {self.name!r}: page ids out of range in free()") from None
-        if np.count_nonzero(used) < used.size:
-            raise ValueError(f"pool {self.name!r}: double free of pages "
-                             f"{pages[~self._in_use[pages]][:8].tolist()}")
-        self._in_use[pages] = False
         self.used_pages -= pages.size
         k = self.per_frame
         if k == 1:
