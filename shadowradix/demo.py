@@ -17,14 +17,16 @@ import numpy as np
 
 from shadowradix.sim.trace import TraceRequest, bundled_trace, load_trace
 
+DEMO_SHAPE = dict(vocab_size=1024, hidden_size=128, head_dim=64, q_lora_rank=64,
+                  o_lora_rank=32, index_head_dim=32, index_topk=16, sliding_window=32,
+                  n_routed_experts=8, moe_intermediate_size=64)
+
 
 def tiny_deepseek_v4(seed: int = 0) -> Any:
     """The demo's model: a little wider than the tests' (vocab 1024, 4 layers)."""
     from shadowradix.model.tiny import tiny_deepseek_v4 as build
 
-    return build(seed, vocab_size=1024, hidden_size=128, head_dim=64, q_lora_rank=64,
-                 o_lora_rank=32, index_head_dim=32, index_topk=16, sliding_window=32,
-                 n_routed_experts=8, moe_intermediate_size=64)
+    return build(seed, **DEMO_SHAPE)
 
 
 def scaled_prompt(req: TraceRequest, block_tokens: int, vocab: int) -> list[int]:

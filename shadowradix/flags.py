@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -84,12 +85,13 @@ def byte_size(text: str) -> int:
     number = raw.rstrip("BbKkMmGgTtIi")
     unit = raw[len(number):].strip().lower()
     want = "a byte size >= 1 such as 40GiB, 512MiB, 1.5GB or 4096"
-    try:
-        value = float(number.strip()) * _UNITS[unit]
-    except (ValueError, KeyError):
+    try:  # decimal: 1.1GB is 1100000000 bytes exactly, not a float's 1100000000.0000002
+        value = Decimal(number.strip()) * _UNITS[unit]
+    except (InvalidOperation, KeyError):
         raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
-    if not math.isfinite(value) or value < 1 or value >= 2**63:
-        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+    if not value.is_finite() or value < 1 or value >= 2**63 or value != value.to_integral():
+        raise argparse.ArgumentTypeError(f"must be {want} (a whole number of bytes), "
+                                         f"got {text!r}")
     return int(value)
 
 

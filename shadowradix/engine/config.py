@@ -128,6 +128,7 @@ class CacheConfig:
             if apart:
                 raise ValueError(f"{' and '.join(apart)} size pools of their own; with "
                                  f"device_bytes every pool shares one arena (leave them None)")
+        # device_tokens then sizes only HiSparse's C4 pool in host memory
         if not _is_int(self.host_tokens) or self.host_tokens < 0 \
                 or self.host_tokens % self.page_size:
             raise ValueError(f"host_tokens must be 0 (no host tier) or a positive multiple of "

@@ -93,9 +93,12 @@ class Engine:
         resident = ("c4",) if config.hisparse_buffer is not None else ()
         arena = None
         if config.device_bytes is not None:
-            arena = Arena(self.layout, config.device_bytes, self.device,
-                          names=[n for n in self.layout.pool_names if n not in resident],
-                          reserved_bytes=self._hot_bytes(config, pages))
+            try:
+                arena = Arena(self.layout, config.device_bytes, self.device,
+                              names=[n for n in self.layout.pool_names if n not in resident],
+                              reserved_bytes=self._hot_bytes(config, pages))
+            except ValueError as e:
+                raise ValueError(f"device_bytes={config.device_bytes}: {e}") from None
         self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
                                    device=self.device, host_pages=host_pages,
                                    in_host_memory=resident, arena=arena)

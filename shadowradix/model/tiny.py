@@ -14,10 +14,9 @@ CSA, HCA, SWA = ("compressed_sparse_attention", "heavily_compressed_attention",
                  "sliding_attention")
 
 
-def tiny_deepseek_v4(seed: int = 0, **overrides: Any) -> Any:
-    """A float32 `DeepseekV4ForCausalLM` in eval mode; `overrides` go to DeepseekV4Config."""
-    import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+def tiny_config(**overrides: Any) -> Any:
+    """The DeepseekV4Config of `tiny_deepseek_v4` (no weights built)."""
+    from transformers import DeepseekV4Config
 
     settings: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -28,8 +27,16 @@ def tiny_deepseek_v4(seed: int = 0, **overrides: Any) -> Any:
         max_position_embeddings=65536, partial_rotary_factor=0.25)
     settings.update(overrides)
     settings["num_hidden_layers"] = len(settings["layer_types"])
+    return DeepseekV4Config(**settings)
+
+
+def tiny_deepseek_v4(seed: int = 0, **overrides: Any) -> Any:
+    """A float32 `DeepseekV4ForCausalLM` in eval mode; `overrides` go to DeepseekV4Config."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    config = tiny_config(**overrides)
     torch.manual_seed(seed)
-    config = DeepseekV4Config(**settings)
     model = DeepseekV4ForCausalLM(config).float().eval()
     with torch.no_grad():
         for module in model.modules():

@@ -20,8 +20,8 @@ PAGE_DTYPE = np.int32
 
 
 def checked_free(name: str, in_use: np.ndarray, pages: np.ndarray) -> np.ndarray:
-    """`pages` as int32 ids, marked free in `in_use`. Raises ValueError (changing nothing)
-    on an id out of range or not in use."""
+    """`pages` as int32 ids, each in range and marked in use in `in_use` (the caller marks
+    them free). Raises ValueError on an id out of range or not in use."""
     pages = np.asarray(pages, dtype=PAGE_DTYPE).ravel()
     if pages.size == 0:
         return pages
@@ -32,7 +32,6 @@ def checked_free(name: str, in_use: np.ndarray, pages: np.ndarray) -> np.ndarray
     if np.count_nonzero(used) < used.size:
         raise ValueError(f"pool {name!r}: double free of pages "
                          f"{pages[~in_use[pages]][:8].tolist()}")
-    in_use[pages] = False
     return pages
 
 
@@ -97,6 +96,7 @@ class PagePool:
         pages = checked_free(self.name, self._in_use, pages)
         if pages.size == 0:
             return
+        self._in_use[pages] = False
         self._free[self._top:self._top + pages.size] = pages
         self._top += pages.size
 

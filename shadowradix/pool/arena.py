@@ -263,6 +263,8 @@ class ArenaPool:
             self.frames_held += n
             self.used_pages += n
             return pages
+        # New frames first: a fault there (the only call out) leaves everything as it was.
+        fresh = self.arena.take(-(-(n - spare) // k), self.row) if n > spare else None
         parts, left, used, partial = [], n, self._used, self._partial
         while left and partial:
             frame = next(reversed(partial))
@@ -273,7 +275,8 @@ class ArenaPool:
             if used[frame] == k:
                 del partial[frame]
         if left:
-            frames = self.arena.take(-(-left // k), self.row)
+            assert fresh is not None and fresh.size == -(-left // k)
+            frames = fresh
             self.frames_held += frames.size
             used[frames] = k
             if left % k:  # the last one is cut short
@@ -292,27 +295,30 @@ class ArenaPool:
         pages = checked_free(self.name, self._in_use, pages)
         if pages.size == 0:
             return
-        self.used_pages -= pages.size
         k = self.per_frame
         if k == 1:
+            self.arena.give(pages.copy())  # first: a fault there leaves everything as it was
+            self._in_use[pages] = False
             self._used[pages] = 0
             self.frames_held -= pages.size
-            self.arena.give(pages.copy())
+            self.used_pages -= pages.size
             return
         frames, counts = _tally(pages // k)
         used = self._used
         was_full = used[frames] == k
-        used[frames] -= counts
-        left = used[frames]
+        left = used[frames] - counts
+        empty = frames[left == 0]
+        if empty.size:  # first: a fault there leaves everything as it was
+            self.arena.give(empty.astype(PAGE_DTYPE))
+        self._in_use[pages] = False
+        used[frames] = left
         partial = self._partial
         for frame in frames[was_full & (left > 0)].tolist():
             partial[frame] = None  # newly partial: touched last, taken from first
         for frame in frames[~was_full & (left == 0)].tolist():
             del partial[frame]
-        empty = frames[left == 0]
-        if empty.size:
-            self.frames_held -= empty.size
-            self.arena.give(empty.astype(PAGE_DTYPE))
+        self.frames_held -= empty.size
+        self.used_pages -= pages.size
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
         return self._in_use[np.asarray(pages, dtype=PAGE_DTYPE)]

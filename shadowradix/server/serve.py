@@ -274,6 +274,34 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
     return Limits(**{name: value for name, value in given.items() if value is not None})
 
 
+def _check_arena(args: argparse.Namespace, page: int) -> None:
+    """--device-bytes must hold one frame of the model's arena (its largest page, aligned),
+    read from its config before anything loads (ValueError naming the flag). The engine
+    checks again with the dtypes of the weights it loads."""
+    from shadowradix.layout.presets import deepseek_v4
+    from shadowradix.pool.arena import plan_frames
+
+    if args.model == "tiny":
+        from shadowradix.demo import DEMO_SHAPE
+        from shadowradix.model.tiny import tiny_config
+
+        hf_config = tiny_config(**DEMO_SHAPE)
+    else:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(args.model)
+    try:
+        layout = deepseek_v4(hf_config, page, args.dtype)
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return  # not a layout this check understands: the engine says why at load
+    names = [n for n in layout.pool_names if not (args.hisparse_buffer and n == "c4")]
+    frame = plan_frames(layout, names).frame_bytes
+    if args.device_bytes < frame:
+        raise ValueError(f"--device-bytes {args.device_bytes} holds no frame of this "
+                         f"model's arena ({frame} bytes: its largest page at page size "
+                         f"{page}, aligned)")
+
+
 def runtime_from_args(args: argparse.Namespace) -> Runtime:
     """Check everything that can be checked before the model loads (ValueError)."""
     from shadowradix.engine import CacheConfig
@@ -288,7 +316,14 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     if args.max_queue is not None and args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     speculative = spec_config(args)
+    if args.device_bytes is not None:
+        apart = [f"--{n}-tokens" for n in ("window", "state") if getattr(args, f"{n}_tokens")]
+        if apart:
+            raise ValueError(f"{' and '.join(apart)} size pools of their own; with "
+                             f"--device-bytes every pool shares one arena (leave them out)")
     page = args.page_size if args.page_size is not None else (16 if tiny else 256)
+    if args.device_bytes is not None:
+        _check_arena(args, page)
     device = args.device_tokens if args.device_tokens is not None else 2048 * page
     config = CacheConfig(page_size=page, device_tokens=device, device_bytes=args.device_bytes,
                          window_tokens=args.window_tokens, state_tokens=args.state_tokens,

@@ -115,6 +115,7 @@ class PrefixCache:
         self.evicted = {name: 0 for name in layout.pool_names}
         self.evicted_host = {name: 0 for name in layout.pool_names}
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
+        self._unreleased: list[tuple[int, str, np.ndarray]] = []  # see `release`
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
         self.allocs = 0
 
@@ -281,6 +282,7 @@ class PrefixCache:
 
     def _alloc(self, need: Mapping[str, int], tier: int,
                room: SpillRoom | None) -> dict[str, np.ndarray] | None:
+        self._release_pending()
         if not self.can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
@@ -304,7 +306,14 @@ class PrefixCache:
             raise AssertionError(f"eviction delivered less than evictable() promised for {need}")
         if self.budget is not None and tier == DEVICE and self._short_bytes(need) > 0:
             raise AssertionError(f"eviction left the shared budget short for {need}")
-        return {name: pools[name].alloc(n) for name, n in need.items()}
+        got: dict[str, np.ndarray] = {}
+        try:
+            for name, n in need.items():
+                got[name] = pools[name].alloc(n)
+        except BaseException:  # a fault in one pool: the pages of those before go back
+            self.free(got, tier)
+            raise
+        return got
 
     def free(self, pages: Mapping[str, np.ndarray], tier: int = DEVICE) -> None:
         """Return pages nobody shadows, per pool (real ids only, no -1)."""
@@ -332,15 +341,21 @@ class PrefixCache:
         return (result.freed_host if tier == HOST else result.freed)[pool].size
 
     def release(self, result: EvictResult) -> None:
-        """Free the pages an eviction (or prune / unspill) let go, in both tiers."""
-        for name, pages in result.freed.items():
-            if pages.size:
-                self.pools[name].free(pages)
-                self.evicted[name] += pages.size
-        for name, pages in result.freed_host.items():
-            if pages.size:
-                self.host_pools[name].free(pages)
-                self.evicted_host[name] += pages.size
+        """Free the pages an eviction (or prune / unspill) let go, in both tiers. The tree
+        has forgotten them: if a free raises, they and the rest wait in `_unreleased` (still
+        in use, owned by the cache) and go back at the next release or allocation."""
+        for tier, freed in ((DEVICE, result.freed), (HOST, result.freed_host)):
+            for name, pages in freed.items():
+                if pages.size:
+                    self._unreleased.append((tier, name, pages))
+        self._release_pending()
+
+    def _release_pending(self) -> None:
+        while self._unreleased:
+            tier, name, pages = self._unreleased[0]
+            self.tier_pools(tier)[name].free(pages)  # atomic: on a fault it stays queued
+            self._unreleased.pop(0)
+            (self.evicted if tier == DEVICE else self.evicted_host)[name] += pages.size
 
     def flush(self, tier: int = DEVICE, room: SpillRoom | None = None) -> None:
         """Drop every unlocked page the tree holds in `tier` (device pages into `room`)."""
@@ -360,7 +375,8 @@ class PrefixCache:
             for name, pool in self.tier_pools(tier).items():
                 pool.check_integrity()
                 tree_pages = self.tree.all_pages(name, tier)
-                owned = [tree_pages]
+                owned = [tree_pages, *(p for t, n, p in self._unreleased
+                                       if t == tier and n == name)]
                 if held is not None and name in held and tier == DEVICE:
                     owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))
                 allp = np.concatenate(owned)
