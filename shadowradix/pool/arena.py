@@ -244,8 +244,8 @@ class ArenaPool:
         return 0 <= n <= self.free_pages
 
     def alloc(self, n: int) -> np.ndarray:
-        """Take `n` pages: free slots of the frames it holds first (the one that last gained
-        one first, so pages of one age share frames and drain together), then new frames.
+        """Take `n` pages: free slots of the frames it holds first (the one a free touched
+        last first, so pages of one age share frames and drain together), then new frames.
         Raises PoolExhausted (changing nothing) if they do not fit."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
@@ -313,10 +313,10 @@ class ArenaPool:
         self._in_use[pages] = False
         used[frames] = left
         partial = self._partial
-        for frame in frames[was_full & (left > 0)].tolist():
-            partial[frame] = None  # newly partial: touched last, taken from first
-        for frame in frames[~was_full & (left == 0)].tolist():
+        for frame in frames[~was_full].tolist():  # were partial: out (back in below if so)
             del partial[frame]
+        for frame in frames[left > 0].tolist():
+            partial[frame] = None  # touched last: taken from first
         self.frames_held -= empty.size
         self.used_pages -= pages.size
 
