@@ -23,6 +23,10 @@
    drafter (always right) at K = 3 and 7, with HiSparse and the host tier on, against
    speculation off (identical greedy tokens) and transformers; acceptance and wall time
    per generated token against off.
+7. The arena on the device (`CacheConfig(device_bytes=)`: one uint8 tensor, every pool a
+   strided view of it): six requests in an arena of about 12 pages of every pool, so
+   they preempt each other, pages poisoned as they are handed out; alone and over a
+   write-back host tier; against transformers, `check_integrity` at the end.
 """
 
 from __future__ import annotations
@@ -234,6 +238,34 @@ def speculative(device: torch.device) -> dict:
     return out
 
 
+def arena(device: torch.device) -> dict:
+    model = tiny_model().to(device)
+    probe = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=16))
+    page = sum(probe.layout.page_bytes().values())  # one logical page of every pool
+    probe.close()
+    out = {}
+    for host in (0, 1024):
+        extra = {"host_tokens": host, "write_policy": "write_back"} if host else {}
+        eng = Engine.from_hf(model, CacheConfig(page_size=16, device_bytes=12 * page,
+                                                debug_poison=True, **extra), step_tokens=32)
+        prompts = [rand_tokens(30 + 5 * i, 700 + i) for i in range(6)]
+        p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        results = eng.generate(prompts, p, return_logits=True)
+        diffs = []
+        for t, r in zip(prompts, results, strict=True):
+            n = len(r.output_ids)
+            ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
+            diffs.append((ref.cpu() - r.logits).abs().max().item())
+        eng.check_integrity()
+        st = eng.stats()
+        out[f"host-{host}"] = {"max_logit_diff": max(diffs), "finished": len(results),
+                               "preemptions": st["preemptions"],
+                               "frames": st["arena"]["frames"],
+                               "tensor_device": str(eng._prefix.arena.data.device)}
+        eng.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
@@ -248,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                   "served": served(device),
                   "hisparse": hisparse(device, Path(tmp)),
                   "speculative": speculative(device),
+                  "arena": arena(device),
                   "loadback": loadback_ratio(str(device))}
     ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
     ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
@@ -260,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = ok and all(v["tokens_identical"] and v["max_logit_diff"] <= 1e-4
                     for k, v in spec.items() if k != "off")
     ok = ok and spec["oracle-7"]["accepted_tokens"] == spec["oracle-7"]["draft_tokens"]
+    ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
+                    and v["tensor_device"].startswith(device.type)
+                    for v in result["arena"].values())
     result["ok"] = ok
     print(f"device {device}")
     for key, v in result["exactness"].items():
@@ -286,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{v['accepted_tokens']}/{v['draft_tokens']} (mean length "
               f"{v['mean_accepted_length'] or 0:.2f}); {v['ms_per_token']:.1f} ms/token "
               f"({v['vs_off']:.2f}x off)")
+    for key, v in result["arena"].items():
+        print(f"  arena {key:20} max |logit diff| {v['max_logit_diff']:.1e}; {v['finished']} "
+              f"finished, {v['preemptions']} preemptions, {v['frames']} frames on "
+              f"{v['tensor_device']}")
     lb = result["loadback"]
     for case in ("consecutive", "scattered"):
         print(f"  load-back {case:11} {lb[case]['ratio']:.2f}x raw ({lb[case]['GBps']:.1f} vs "
