@@ -612,7 +612,12 @@ class ArenaManagerMachine(ManagerMachine):
                 [pools[n]["pages"] for n in self.layout.pool_names],
                 [pools[n]["locked"] for n in self.layout.pool_names])
 
-    def _after_refusal(self, before: tuple, what: str) -> None:
+    def _before_refusal(self) -> tuple:
+        return self._device()
+
+    def _after_refusal(self, before: tuple, what: str) -> None:  # type: ignore[override]
+        """Over an arena a refusal may have evicted (PrefixCache.alloc): it may only give
+        pages back, never take any or change a lock, and every running read still holds."""
         free, pages, locked = before
         free2, pages2, locked2 = self._device()
         assert all(b >= a for a, b in zip(free, free2, strict=True)), (
@@ -624,37 +629,6 @@ class ArenaManagerMachine(ManagerMachine):
         for req in self.running:
             self._read(req, req.computed)
         self.refused += 1
-
-    @rule(data=st.data(), chunk=st.integers(1, 12))
-    def admit(self, data: st.DataObject, chunk: int) -> None:
-        tokens = self._tokens(data)
-        self.history.append(tokens)
-        before = self._device()
-        lease = self.manager.admit(np.asarray(tokens, dtype=np.int32), chunk)
-        if lease is None:
-            self._after_refusal(before, "admission")
-            return
-        req = Running(tokens, lease, lease.cached)
-        self._read(req, lease.cached, resume=True)
-        self.running.append(req)
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data(), n=st.integers(1, 10))
-    def step(self, data: st.DataObject, n: int) -> None:
-        req = data.draw(st.sampled_from(self.running))
-        end = min(req.computed + n, len(req.tokens))
-        if end == req.computed:
-            return
-        before = self._device()
-        if not self.manager.grow(req.lease, end):
-            self._after_refusal(before, "growth")
-            self.running.remove(req)
-            self.manager.preempt(req.lease, req.tokens, req.computed)
-            return
-        self._write(req, req.computed, end)
-        self._read(req, end)
-        req.computed = end
-        self.manager.cache_prefix(req.lease, req.tokens, req.computed)
 
     @invariant()
     def reads_hold(self) -> None:

@@ -70,14 +70,21 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.cache.tree.stats().as_dict()["pools"])
 
     # ---------------------------------------------------------------- rules
+    def _before_refusal(self) -> object:
+        """What a refused admission or growth must leave as it was (see `_after_refusal`)."""
+        return self._books()
+
+    def _after_refusal(self, before: object, what: str) -> None:
+        assert self._books() == before, f"a refused {what} changed the books"
+
     @rule(data=st.data(), chunk=st.integers(1, 12))
     def admit(self, data: st.DataObject, chunk: int) -> None:
         tokens = self._tokens(data)
         self.history.append(tokens)
-        before = self._books()
+        before = self._before_refusal()
         lease = self.manager.admit(np.asarray(tokens, dtype=np.int32), chunk)
         if lease is None:
-            assert self._books() == before, "a refused admission changed the books"
+            self._after_refusal(before, "admission")
             return
         req = Running(tokens, lease, lease.cached)
         self._read(req, lease.cached, resume=True)
@@ -90,9 +97,9 @@ class ManagerMachine(RuleBasedStateMachine):
         end = min(req.computed + n, len(req.tokens))
         if end == req.computed:
             return
-        before = self._books()
+        before = self._before_refusal()
         if not self.manager.grow(req.lease, end):
-            assert self._books() == before, "a refused growth changed the books"
+            self._after_refusal(before, "growth")
             self.running.remove(req)
             self.manager.preempt(req.lease, req.tokens, req.computed)
             return
