@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.manager import flush_device
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage_tier import StorageTier
-from shadowradix.tree.tier import DEVICE, HOST
+from shadowradix.tree.tier import HOST
 
 TIERS = ("device", "host", "storage")
 
@@ -41,10 +42,7 @@ class CacheControl:
         if "storage" in tiers and self._storage is None:
             raise ValueError("this engine has no storage tier (CacheConfig.storage = None)")
         if "device" in tiers:
-            if self._host is not None:  # write-back moves what it can to the host first
-                self._host.flush_device()
-            else:
-                self._cache.flush(DEVICE)
+            flush_device(self._cache, self._host)
         if "host" in tiers:
             self._cache.flush(HOST)
         if "storage" in tiers:

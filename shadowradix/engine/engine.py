@@ -652,11 +652,7 @@ class Engine:
         """The device arena's shape (None without `device_bytes`): frame bytes, frames,
         the bytes set apart for HiSparse's hot buffers, pages of each pool per frame."""
         arena = self._prefix.arena
-        if arena is None:
-            return None
-        return {"frame_bytes": arena.plan.frame_bytes, "frames": arena.frames,
-                "reserved_bytes": arena.reserved_frames * arena.plan.frame_bytes,
-                "pages_per_frame": dict(arena.plan.per_frame)}
+        return arena.info() if arena is not None else None
 
     def max_sequence_len(self) -> int:
         """The longest prompt + output one request can ever hold: the device pools with

@@ -34,7 +34,6 @@ from shadowradix.model.context import RequestKV
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.storage_tier import Fetched
-from shadowradix.tree.tier import DEVICE
 
 _PENDING = Fetched(-1, -1, [])  # a prefetch still in flight
 _USED: Future[Fetched] = Future()  # a prefetch already used
@@ -109,10 +108,7 @@ class Scheduler:
                 # Alone and still short: its own cached prefix pins frames it cannot use
                 # (an arena frees a frame only when all of it is free). Start it afresh
                 # over an empty device; `fits_ever` holds for that.
-                if manager.host is not None:  # write-back moves what it can to the host
-                    manager.host.flush_device()
-                else:
-                    manager.cache.flush(DEVICE)
+                manager.flush_device()
                 lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True)
             if lease is None:
                 return  # waits for running requests to finish or cache pages

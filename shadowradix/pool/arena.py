@@ -152,6 +152,13 @@ class Arena:
         self._free[self._top:self._top + frames.size] = frames
         self._top += frames.size
 
+    def info(self) -> dict[str, Any]:
+        """Its shape: frame bytes, frames, the bytes set apart, pages of each pool a frame."""
+        fb = self.plan.frame_bytes
+        return {"frame_bytes": fb, "frames": self.frames,
+                "reserved_bytes": self.reserved_frames * fb,
+                "pages_per_frame": dict(self.plan.per_frame)}
+
     def pools(self) -> dict[str, ArenaPool]:
         """One pool per layout pool, drawing frames from this arena."""
         return {spec.name: ArenaPool(self, row, spec)

@@ -67,6 +67,15 @@ class Lease:
     live: bool = True
 
 
+def flush_device(cache: PrefixCache, host: HostTier | None) -> None:
+    """Drop every unlocked page of `cache`'s device tier; with a host tier through it, so
+    write-back moves what it can to the host first."""
+    if host is not None:
+        host.flush_device()
+    else:
+        cache.flush(DEVICE)
+
+
 class CacheManager:
     """Admission, growth, caching, finish and abort of requests over one PrefixCache, an
     optional HostTier (L2) and an optional storage tier (L3: StorageTier, or the
@@ -91,6 +100,7 @@ class CacheManager:
         # tombstones off, every pool keeps every page.
         self._capped = self.short_rows if self.tree.policy.tombstones else []
         self._pool_pages = [cache.pools[n].num_pages for n in self.names]
+        self._spread = [self.names[row] for row in self._capped]  # see PrefixCache.arena_frames
         self.leases: set[Lease] = set()
 
     # ------------------------------------------------------------- sizing
@@ -127,7 +137,7 @@ class CacheManager:
         its resume pages (or, in an ALL pool, every page) and needs one more."""
         peak = self.peak_pages(tokens)
         if self.cache.arena is not None:
-            return self.cache.fits_arena(peak, spread=[self.names[r] for r in self._capped])
+            return self.cache.fits_arena(peak, self._spread)
         return all(self.cache.pools[n].num_pages >= k for n, k in peak.items())
 
     def chunk_end(self, lease: Lease, start: int, end: int) -> int:
@@ -165,16 +175,10 @@ class CacheManager:
         """Arena: the frames a request takes on its own once it reaches `end`: every page
         of an ALL pool (packed), its `base` pages of a window or checkpoint pool and those it
         grows there from `have` (a frame each: see `PrefixCache.fits_arena`)."""
-        want, frames = self._want(end), 0
-        pools = self.cache.pools
-        for row, n in enumerate(self.names):
-            if n not in self.cache.arena.names:  # type: ignore[union-attr]
-                continue
-            if row in self._capped:
-                frames += base[row] + max(want[row] - have[row], 0)
-            else:
-                frames += -(-want[row] // pools[n].per_frame)  # type: ignore[union-attr]
-        return frames
+        want = self._want(end)
+        pages = {n: base[row] + max(want[row] - have[row], 0) if row in self._capped
+                 else want[row] for row, n in enumerate(self.names)}
+        return self.cache.arena_frames(pages, self._spread)
 
     # -------------------------------------------------------------- admit
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:
@@ -451,26 +455,18 @@ class CacheManager:
             return True
         if cache.budget is not None:  # bytes, not pages: the simulator runs one at a time
             return False
-        if cache.arena is not None:  # frames, not pages: share every held copy, then ask
-            shared = False
-            for lease in list(self.leases):
-                hit = self._held_copies(lease)
-                if hit is not None:
-                    self._share_held(lease, hit)
-                    shared = True
-            return shared and cache.can_alloc(need)
-        found = {lease: self._held_copies(lease) for lease in self.leases}
-        gain = np.zeros(len(self.names), dtype=np.int64)
-        for hit in found.values():
-            if hit is not None:
-                gain += np.count_nonzero(hit[1], axis=1)
-        tree = self.tree
-        if not gain.any() or any(cache.pools[n].free_pages + tree.evictable(n) + gain[row] < k
-                                 for row, n in enumerate(self.names) if (k := need.get(n, 0))):
+        found = {lease: hit for lease in self.leases
+                 if (hit := self._held_copies(lease)) is not None}
+        if not found:
             return False
+        if cache.arena is None:  # pages: share only where that is enough (frames: ask after)
+            gain = sum(np.count_nonzero(hit[1], axis=1) for hit in found.values())
+            tree = self.tree
+            if any(cache.pools[n].free_pages + tree.evictable(n) + gain[row] < k
+                   for row, n in enumerate(self.names) if (k := need.get(n, 0))):
+                return False
         for lease, hit in found.items():
-            if hit is not None:
-                self._share_held(lease, hit)
+            self._share_held(lease, hit)
         return cache.can_alloc(need)
 
     # ------------------------------------------------------------- finish
@@ -505,6 +501,11 @@ class CacheManager:
                           {n: lease.table[row, lo:full] for row, n in enumerate(self.names)},
                           self.cache.tensor)
         lease.stored = full
+
+    def flush_device(self) -> None:
+        """Drop every unlocked device page (write-back first moves what it can to the
+        host)."""
+        flush_device(self.cache, self.host)
 
     def preempt(self, lease: Lease, tokens: np.ndarray | Sequence[int], computed: int) -> None:
         """Release a running request under memory pressure: its computed full pages join

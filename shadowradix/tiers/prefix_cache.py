@@ -200,14 +200,20 @@ class PrefixCache:
         pages before them stay, so they may sit one to a frame; its ALL pages it allocates
         in order, at most one frame part-filled."""
         assert self.arena is not None
+        if any(self.pools[n].num_pages < k for n, k in pages.items()
+               if n not in self._arena_pools):
+            return False
+        return self.arena_frames(pages, spread) <= self.arena.frames
+
+    def arena_frames(self, pages: Mapping[str, int], spread: Collection[str] = ()) -> int:
+        """The arena frames `pages` (per pool) take: a frame each for a pool in `spread`,
+        packed for the others (see `fits_arena`); pools not in the arena take none."""
         frames = 0
         for name, n in pages.items():
-            pool = self.pools[name]
-            if isinstance(pool, ArenaPool):
+            pool = self._arena_pools.get(name)
+            if pool is not None:
                 frames += n if name in spread else -(-n // pool.per_frame)
-            elif pool.num_pages < n:
-                return False
-        return frames <= self.arena.frames
+        return frames
 
     def _frames_within_reach(self, need: Mapping[str, int]) -> bool:
         """Arena: whether `need` would fit were every evictable page gone and the rest
@@ -239,7 +245,9 @@ class PrefixCache:
         while (short := arena.frames_short(pools, need)) > 0:
             before = sum(p.used_pages for p in pools.values())
             if not self.has_host:
+                t0 = time.perf_counter()
                 self.release(self.tree.evict_bytes(short * fb, self._arena_row_bytes))
+                self.evict_seconds += time.perf_counter() - t0
             if sum(p.used_pages for p in pools.values()) == before:
                 # A host tier, or what the walk by age cannot reach (kept checkpoints inside
                 # a running request's own locked prefix): pool by pool.
@@ -286,12 +294,8 @@ class PrefixCache:
         if not self.can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
-        if self.arena is not None and tier == DEVICE:
-            t0 = time.perf_counter()
-            made = self._make_frames(need, room)
-            self.evict_seconds += time.perf_counter() - t0
-            if not made:
-                return None
+        if self.arena is not None and tier == DEVICE and not self._make_frames(need, room):
+            return None
         if self.budget is not None and tier == DEVICE:
             short = self._short_bytes(need)
             if short > 0:
@@ -373,7 +377,8 @@ class PrefixCache:
         for tier in range(self.tree.tiers):
             where = "" if tier == DEVICE else " (host)"
             for name, pool in self.tier_pools(tier).items():
-                pool.check_integrity()
+                if tier != DEVICE or name not in self._arena_pools:  # the arena checked those
+                    pool.check_integrity()
                 tree_pages = self.tree.all_pages(name, tier)
                 owned = [tree_pages, *(p for t, n, p in self._unreleased
                                        if t == tier and n == name)]
