@@ -273,14 +273,24 @@ class ArenaPool:
         # New frames first: a fault there (the only call out) leaves everything as it was.
         fresh = self.arena.take(-(-(n - spare) // k), self.row) if n > spare else None
         parts, left, used, partial = [], n, self._used, self._partial
-        while left and partial:
-            frame = next(reversed(partial))
-            slots = np.flatnonzero(~self._in_use[frame * k:(frame + 1) * k])[:left]
-            parts.append(slots.astype(PAGE_DTYPE) + PAGE_DTYPE(frame * k))
-            left -= slots.size
-            used[frame] += slots.size
-            if used[frame] == k:
+        if partial:  # the frames touched last, as many as `n` fills, in one gather
+            rows, room = [], 0
+            for frame in reversed(partial):
+                rows.append(frame)
+                room += k - int(used[frame])
+                if room >= left:
+                    break
+            held = np.asarray(rows, dtype=np.int64)
+            which, slot = np.nonzero(~self._in_use.reshape(-1, k)[held])
+            parts.append((held[which] * k + slot)[:left].astype(PAGE_DTYPE))
+            for frame in rows[:-1]:  # filled
                 del partial[frame]
+            used[held[:-1]] = k
+            last = rows[-1]  # filled but for what `n` leaves over
+            used[last] = k - max(room - left, 0)
+            if used[last] == k:
+                del partial[last]
+            left -= min(room, left)
         if left:
             assert fresh is not None and fresh.size == -(-left // k)
             frames = fresh
