@@ -92,3 +92,29 @@ def test_step_tokens_must_be_a_positive_int(bad):
 
     with pytest.raises(ValueError, match="step_tokens"):
         Scheduler(CacheManager(PrefixCache(tiny_layout(PS), 4)), bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 3.0, False, "5"])
+def test_a_prompt_length_that_is_not_a_token_count_is_refused_at_admission(bad):
+    cache = PrefixCache(tiny_layout(PS), 10)
+    manager = CacheManager(cache)
+    with pytest.raises(ValueError, match="prompt must be an int"):
+        manager.admit(np.arange(9, dtype=np.int32), chunk=9, prompt=bad)
+    assert not manager.leases and cache.pools["swa"].used_pages == 0
+
+
+def test_a_finished_request_marks_where_its_prompt_ended():
+    """The manager tells the tree the prompt it admitted (not the tokens it finishes with):
+    the leaf remembers the prompt's last page boundary, for the resume learning."""
+    from shadowradix.tree import CheckpointPolicy
+
+    cache = PrefixCache(tiny_layout(PS), 40, CheckpointPolicy(learn_resume=True))
+    manager = CacheManager(cache)
+    prompt = np.arange(10, dtype=np.int32)  # 2 full pages and a half
+    lease = manager.admit(prompt, chunk=10)
+    assert lease is not None
+    seq = np.arange(23, dtype=np.int32)  # the reply takes it to 5 full pages
+    assert manager.grow(lease, 23)
+    manager.finish(lease, seq, 23)
+    leaf = cache.match(seq, record=False).node
+    assert (leaf.end_page, leaf.prompt_end) == (5, 2)

@@ -118,7 +118,8 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         req = self.open.pop(data.draw(st.integers(0, len(self.open) - 1)))
-        self.cache.insert(req.tokens, req.own, req.match.prefix_len // PS)
+        prompt = data.draw(st.none() | st.integers(0, len(req.tokens) + 2 * PS))
+        self.cache.insert(req.tokens, req.own, req.match.prefix_len // PS, prompt=prompt)
         self.cache.free(req.partial)
         self.cache.unlock(req.handle)
         self.inserted.append(req.tokens)

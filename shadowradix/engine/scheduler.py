@@ -103,13 +103,15 @@ class Scheduler:
                 if landed:  # L3 -> L2: the match sees it (else it goes to the device)
                     req.landed, req.prefetch, fetched = landed, _USED, None
             chunk = max(budget, 1) if self.running else self.step_tokens
-            lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True)
+            lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True,
+                                  prompt=req.prompt_len)
             if lease is None and not self.running and manager.cache.arena is not None:
                 # Alone and still short: its own cached prefix pins frames it cannot use
                 # (an arena frees a frame only when all of it is free). Start it afresh
                 # over an empty device; `fits_ever` holds for that.
                 manager.flush_device()
-                lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True)
+                lease = manager.admit(tokens, chunk, fetched, req.landed, fit=True,
+                                      prompt=req.prompt_len)
             if lease is None:
                 return  # waits for running requests to finish or cache pages
             try:

@@ -38,6 +38,7 @@ import numpy as np
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.results import LockHandle
+from shadowradix.tree.resume import check_prompt
 from shadowradix.tree.tier import DEVICE
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class Lease:
     version: int = 0  # bumped whenever `table` changes
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
     tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
+    prompt: int = 0  # tokens it was admitted with: where its prompt ends (resume learning)
     live: bool = True
 
 
@@ -209,14 +211,17 @@ class CacheManager:
 
     def admit(self, tokens: np.ndarray, chunk: int, fetched: Fetched | None = None,
               landed: int = 0, length: int | None = None, *,
-              fit: bool = False) -> Lease | None:
+              fit: bool = False, prompt: int | None = None) -> Lease | None:
         """Match `tokens`, lock the prefix, load back what the host holds, write stored
         pages that extend the match (`fetched`, L3 -> L1), and allocate pages for a first
         chunk of up to `chunk` tokens past the cached prefix (within `length`, default
         len(tokens)). None, changing nothing, when those pages do not fit even after
         evicting every unlocked page. `landed`: pages of the match that came from storage
         through the host (counted as storage hits). `fit`: cut the first chunk so its pages
-        fit in every window and checkpoint pool on their own (as `chunk_end`)."""
+        fit in every window and checkpoint pool on their own (as `chunk_end`). `prompt`:
+        where the request's prompt ends (default len(tokens); a preempted request comes
+        back with its output), for the tree to learn where next turns resume."""
+        check_prompt(prompt)
         ps = self.page_size
         cache = self.cache
         m = cache.match(tokens if self.reuse else tokens[:0], record=False)
@@ -234,7 +239,8 @@ class CacheManager:
         width = max(want)
         lease = Lease(np.full((len(self.names), width), -1, PAGE),
                       np.zeros((len(self.names), width), dtype=bool), [], done, done,
-                      resume * ps, 0, 0, m.logical_len, stored=resume)
+                      resume * ps, 0, 0, m.logical_len, stored=resume,
+                      prompt=tokens.size if prompt is None else int(prompt))
         self.leases.add(lease)  # registered before any state changes: abort undoes them
         try:
             lease.handles.append(cache.lock(m))
@@ -379,7 +385,8 @@ class CacheManager:
                    start: int, full: int, finished: bool) -> None:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
-        result = self.tree.insert(tokens, pages, start, finished=finished)
+        result = self.tree.insert(tokens, pages, start, finished=finished,
+                                  prompt=lease.prompt if finished else None)
         lease.tail = None if finished else result.node  # finished: it ends at a checkpoint
         given = pages >= 0
         # Pages it did not adopt (it holds its own copy, or an eager policy dropped ours)

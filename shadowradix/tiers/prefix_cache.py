@@ -327,10 +327,12 @@ class PrefixCache:
                 pools[name].free(ids)
 
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
-               start: int = 0, *, finished: bool = True, tier: int = DEVICE) -> InsertResult:
+               start: int = 0, *, finished: bool = True, tier: int = DEVICE,
+               prompt: int | None = None) -> InsertResult:
         """Hand a request's own pages of `tier` for [start, ...) to the tree (see
         ShadowRadix.insert); the ones it does not adopt are freed here."""
-        result = self.tree.insert(tokens, pages, start, finished=finished, tier=tier)
+        result = self.tree.insert(tokens, pages, start, finished=finished, tier=tier,
+                                  prompt=prompt)
         self.free(result.to_free, tier)
         return result
 

@@ -23,6 +23,9 @@ class Node:
     that belong to a kept checkpoint. window_lock[i] counts the locks whose
     window or checkpoint needs page i; full_lock counts the locks whose path
     runs through the node. hits counts the matches that reached the node.
+    prompt_end is the page boundary where the prompt of the finished sequence
+    ending in this leaf ended (-1: none); a split leaves it with the tail, the
+    leaf.
     """
 
     tokens: np.ndarray
@@ -38,6 +41,7 @@ class Node:
     host: np.ndarray | None = None
     hits: int = 0
     queued: int = 0  # bit per LRU heap holding this node
+    prompt_end: int = -1
     alive: bool = True
     id: int = field(default_factory=lambda: next(_ids))
 

@@ -22,8 +22,9 @@ class CheckpointPolicy:
     tombstones: False gives a conventional radix cache: every pool of a node
         lives and dies with the node, so SWA is never dropped on its own.
     learn_resume: the adaptive policy: also keep checkpoints a few pages before a
-        finished sequence's end, at the offsets where matches were seen to stop
-        (tree/resume.py). Learned from the matches, so it needs no flag per workload.
+        finished sequence's end, or before where its prompt ended, at the offsets where
+        matches were seen to stop (tree/resume.py). Learned from the matches, so it needs
+        no flag per workload.
     adaptive_lifetime: under one byte budget (`ShadowRadix.evict_bytes`), loose resume
         points (every page's window and state away from a kept checkpoint) live as long
         as the misses say they are worth against whole prefixes (tree/lifetime.py):
@@ -52,8 +53,8 @@ class CheckpointPolicy:
 
 
 # The default, for the engine and the simulator alike: checkpoints at sequence ends and
-# branch points, at the offsets before sequence ends where matches were seen to stop
-# (learned), and every 16 pages, which bounds what a match that stops anywhere else
+# branch points, at the offsets before sequence ends and prompt ends where matches were
+# seen to stop (learned), and every 16 pages, which bounds what a match that stops anywhere else
 # recomputes. In the simulator its pools also share one byte budget (sim/simulate.py).
 # Measured against the best static setting at every size from 64 GB to 1 TB:
 # benchmarks/policy_envelope.py, docs/policy_envelope_*.json.

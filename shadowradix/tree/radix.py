@@ -28,7 +28,7 @@ from shadowradix.tree.lifetime import Ghost, LooseLifetime
 from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.results import InsertResult, LockHandle, MatchResult, Peek, _Probe
-from shadowradix.tree.resume import ResumeOffsets
+from shadowradix.tree.resume import MAX_OFFSET, ResumeOffsets, check_prompt
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import TreeStats, count_stats
 from shadowradix.tree.tier import DEVICE, HOST
@@ -187,7 +187,9 @@ class ShadowRadix(Eviction):
         inside = deepest.start_page < depth or (
             depth == deepest.start_page and parent is not None and len(parent.children) == 1)
         if inside and depth <= deepest.end_page:
-            self.resume.observe(deepest.end_page - depth)
+            prompt = deepest.prompt_end  # -1: none known
+            self.resume.observe(deepest.end_page - depth,
+                                prompt - depth if depth <= prompt else MAX_OFFSET)
 
     def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek:
         """What `match_prefix` would answer, changing nothing (no split, no stamp, no hit):
@@ -255,7 +257,8 @@ class ShadowRadix(Eviction):
 
     # ----------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
-               start: int = 0, *, finished: bool = True, tier: int = DEVICE) -> InsertResult:
+               start: int = 0, *, finished: bool = True, tier: int = DEVICE,
+               prompt: int | None = None) -> InsertResult:
         """Adopt the pages a request owns for pages [start, len(tokens) // page_size).
 
         pages: [pools, n - start] int page ids, -1 where the request holds none.
@@ -267,7 +270,10 @@ class ShadowRadix(Eviction):
         is kept at the end (when `finished`; a running request inserting its
         prefix keeps its live window to itself), at marked branch points and
         every `policy.every_pages` pages. `tier=HOST` adopts host pages instead
-        (pages fetched from storage land there). Mutates the tree; allocates nothing.
+        (pages fetched from storage land there). `prompt`: how many of a finished
+        sequence's tokens were its prompt; under `learn_resume` its leaf remembers where
+        that ended, and checkpoints are kept at the offsets before it where matches were
+        seen to stop (tree/resume.py). Mutates the tree; allocates nothing.
         """
         tokens = as_tokens(tokens)
         ps = self.page_size
@@ -276,6 +282,7 @@ class ShadowRadix(Eviction):
         if not 0 <= start <= n or own.ndim != 2 or own.shape != (self.n_pools, n - start):
             raise ValueError(f"pages must be [{self.n_pools}, {n} - start] for start in [0, {n}]"
                              f", got {own.shape} with start={start}")
+        check_prompt(prompt)
         table = own.astype(PAGE, copy=False) if start == 0 else np.concatenate(
             (np.full((self.n_pools, start), -1, PAGE), own), axis=1)
 
@@ -285,7 +292,11 @@ class ShadowRadix(Eviction):
             segments.append(child if eq == child.n_pages else self._split(child, eq))
             depth += eq
             node = segments[-1]
-        keep = self._keep_plan(n, [s.end_page for s in segments if s.branch], finished)
+        prompt_end = -1  # a prompt longer than what is inserted (a preemption) ends nowhere
+        if finished and prompt is not None and self.policy.learn_resume and prompt // ps <= n:
+            prompt_end = int(prompt) // ps
+        keep = self._keep_plan(n, [s.end_page for s in segments if s.branch], finished,
+                               prompt_end)
         to_free: list[np.ndarray] = []
         for seg in segments:
             lo, hi = seg.start_page, seg.end_page
@@ -331,6 +342,8 @@ class ShadowRadix(Eviction):
             self._enqueue(leaf)
         self._touch(segments)
         end = segments[-1] if segments else self.root
+        if prompt_end >= 0 and end is not self.root and not end.children:
+            end.prompt_end = prompt_end
         if not to_free:
             empty = np.empty(0, PAGE)
             return InsertResult(end, depth, {p.name: empty for p in self.layout.pools})
@@ -338,17 +351,20 @@ class ShadowRadix(Eviction):
         return InsertResult(end, depth, {p.name: freed[i][freed[i] >= 0]
                                          for i, p in enumerate(self.layout.pools)})
 
-    def _keep_plan(self, n: int, branch_ends: list[int],
-                   finished: bool) -> list[tuple[int, list[int]]]:
-        """Per short-lived row, the sorted page indices that belong to kept checkpoints."""
+    def _keep_plan(self, n: int, branch_ends: list[int], finished: bool,
+                   prompt_end: int = -1) -> list[tuple[int, list[int]]]:
+        """Per short-lived row, the sorted page indices that belong to kept checkpoints
+        (`prompt_end` >= 0: where a finished sequence's prompt ended)."""
         if n == 0 or not self.short_lived_rows:
             return []
         learned = self.resume.offsets() if self.policy.learn_resume and finished else (0,)
+        at_prompt = self.resume.prompt_offsets() if prompt_end >= 0 else ()
         if (finished and not branch_ends and not self.policy.every_pages
-                and len(learned) == 1):  # the common case
+                and len(learned) == 1 and not at_prompt):  # the common case
             return self._end_plan(n)
         ends = {*branch_ends, *([n] if finished else [])}
         ends.update(n - o for o in learned[1:] if n - o > 0)
+        ends.update(prompt_end - o for o in at_prompt if prompt_end - o > 0)
         if self.policy.every_pages:
             ends.update(range(self.policy.every_pages, n + 1, self.policy.every_pages))
         plan = [(row, sorted(q - 1 for q in ends)) for row in self.rule.checkpoint_rows]
