@@ -151,12 +151,9 @@ def test_a_prompt_length_that_is_not_a_token_count_is_refused(prompt: object) ->
     assert cache.tree.stats().as_dict()["nodes"] == 0  # nothing inserted
 
 
-def test_the_default_equals_a_plain_radix_cache_where_a_prompt_only_chat_fits():
-    """#22: a prompt-only chat trace at DeepSeek-V4-Pro scale (a next turn matches the
-    previous prompt up to its last full 512-token block, a block or less before the
-    prompt's end, wherever the reply ended). Where memory holds the working set the
-    default hit 0.7 points less than no shadows at 256 GB before it learned offsets from
-    prompt ends (76.24 vs 76.95); now it equals it within 0.3 points."""
+def _prompt_only_chat() -> list:
+    """1,500 conversations hashed as prompts only in 512-token blocks (a next turn matches
+    the previous prompt up to its last full block)."""
     from dataclasses import replace
 
     from shadowradix.sim import synth
@@ -166,8 +163,16 @@ def test_the_default_equals_a_plain_radix_cache_where_a_prompt_only_chat_fits():
         system_tokens=synth.Lengths(1000, 1.0), prompt_tokens=synth.Lengths(600, 1.0),
         reply_tokens=synth.Lengths(500, 0.8), rate=1.0, think_time=60.0,
         max_context=131072, block_size=512, seed=4)
-    trace = [replace(r, sequence_hash_ids=None) for r in synth.synth_trace(shape)]
-    lay = deepseek_v4_pro(dtype="fp8")
+    return [replace(r, sequence_hash_ids=None) for r in synth.synth_trace(shape)]
+
+
+def test_the_default_equals_a_plain_radix_cache_where_a_prompt_only_chat_fits():
+    """#22: a prompt-only chat trace at DeepSeek-V4-Pro scale (a next turn matches the
+    previous prompt up to its last full 512-token block, a block or less before the
+    prompt's end, wherever the reply ended). Where memory holds the working set the
+    default hit 0.7 points less than no shadows at 256 GB before it learned offsets from
+    prompt ends (76.24 vs 76.95); now it equals it within 0.3 points."""
+    trace, lay = _prompt_only_chat(), deepseek_v4_pro(dtype="fp8")
     for gb in (128, 256):
         default = simulate(trace, lay, policy_choice("shadowradix"), gb)["hit_rate"]
         plain = simulate(trace, lay, policy_choice("no-shadows"), gb)["hit_rate"]
@@ -285,17 +290,7 @@ def test_where_memory_holds_the_working_set_adaptive_lifetime_equals_a_plain_rad
     memory holds the working set; the default drops every loose resume point first and
     hits 0.7 points less than no shadows (76.24 vs 76.95), and 0.2 less at 192 GB. It
     keeps them while they earn their bytes under `adaptive-lifetime` (tree/lifetime.py)."""
-    from dataclasses import replace
-
-    from shadowradix.sim import synth
-
-    shape = synth.ChatShape(
-        conversations=1500, turns_min=1, turns_max=10, system_prompts=20,
-        system_tokens=synth.Lengths(1000, 1.0), prompt_tokens=synth.Lengths(600, 1.0),
-        reply_tokens=synth.Lengths(500, 0.8), rate=1.0, think_time=60.0,
-        max_context=131072, block_size=512, seed=4)
-    trace = [replace(r, sequence_hash_ids=None) for r in synth.synth_trace(shape)]
-    lay = deepseek_v4_pro(dtype="fp8")
+    trace, lay = _prompt_only_chat(), deepseek_v4_pro(dtype="fp8")
     for gb, slack in ((192, 0.0), (256, 0.3)):
         default = simulate(trace, lay, policy_choice("adaptive-lifetime"), gb)["hit_rate"]
         plain = simulate(trace, lay, policy_choice("no-shadows"), gb)["hit_rate"]
