@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -107,3 +108,20 @@ def serve(cache: PrefixCache, tokens: list[int], content: list[dict[int, int]] |
         cache.free(got)
     cache.unlock(handle)
     return m, cached
+
+
+def fail_at(monkeypatch: Any, owner: object, attr: str, nth: int,
+            kind: type[BaseException] = RuntimeError) -> list[int]:
+    """Make `owner.attr` raise `kind` on its nth call (1-based) for the rest of the test;
+    returns the call counter (one cell), so a test can assert the point was reached."""
+    original = getattr(owner, attr)
+    calls = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise kind(f"injected at {attr} call {nth}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, failing)
+    return calls

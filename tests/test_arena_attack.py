@@ -11,6 +11,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from helpers import fail_at
 from test_engine import check, rand_tokens
 from tiny_model import CSA, HCA, SWA, reference_logits, tiny_model
 
@@ -253,21 +254,6 @@ def _fault_engine(model):
     return arena_engine(model, 8, step_tokens=16, host_tokens=0)
 
 
-def _inject(monkeypatch, owner, name, at):
-    """Make owner.name raise on its `at`-th call (1-based); returns the call counter."""
-    real = getattr(owner, name)
-    calls = [0]
-
-    def faulty(*a, **k):
-        calls[0] += 1
-        if calls[0] == at:
-            raise MemoryError(f"injected in {name}")
-        return real(*a, **k)
-
-    monkeypatch.setattr(owner, name, faulty)
-    return calls
-
-
 # Arena-specific points (PrefixCache.alloc's own points, and Arena.take / Arena.give that
 # ArenaPool.alloc / ArenaPool.free call after they began booking).
 FAULT_POINTS = [(PrefixCache, "_make_frames"), (PrefixCache, "alloc"), (Arena, "take"),
@@ -281,7 +267,7 @@ def test_a_fault_at_any_point_of_an_allocation_leaves_the_engine_consistent(
     eng = _fault_engine(model)
     prompts = [rand_tokens(30 + 7 * i, 3800 + i) for i in range(4)]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    calls = _inject(monkeypatch, owner, name, at)
+    calls = fail_at(monkeypatch, owner, name, at, MemoryError)
     with contextlib.suppress(MemoryError):
         eng.generate(prompts, params)
     monkeypatch.undo()
@@ -338,7 +324,7 @@ def test_evict_bytes_fault_then_the_engine_recovers(model, monkeypatch):
     eng = _fault_engine(model)
     warm = [rand_tokens(40, 3900 + i) for i in range(4)]
     eng.generate(warm, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    calls = _inject(monkeypatch, ShadowRadix, "evict_bytes", 1)
+    calls = fail_at(monkeypatch, ShadowRadix, "evict_bytes", 1, MemoryError)
     prompts = [rand_tokens(60, 3910 + i) for i in range(3)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     with pytest.raises(MemoryError):

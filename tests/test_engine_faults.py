@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from helpers import fail_at
 from test_engine import check, rand_tokens
 from tiny_model import tiny_model
 
@@ -55,19 +56,6 @@ def turn_two(model, policy: str, step: int):
     return eng, turn2
 
 
-def fail_at(monkeypatch, owner, method: str, nth: int) -> None:
-    original = getattr(owner, method)
-    calls = [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == nth:
-            raise Injected(f"{owner.__name__}.{method} call {nth}")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, method, failing)
-
-
 def assert_clean_and_exact(model, eng, turn2) -> None:
     assert not eng.has_unfinished()
     eng.check_integrity()
@@ -88,7 +76,7 @@ def assert_clean_and_exact(model, eng, turn2) -> None:
 def test_an_exception_at_any_step_leaves_no_trace(model, monkeypatch, owner, method, nth):
     step = 8 if method == "preempt" else 24  # small chunks: decodes outgrow the device
     eng, turn2 = turn_two(model, "write_through", step)
-    fail_at(monkeypatch, owner, method, nth)
+    fail_at(monkeypatch, owner, method, nth, Injected)
     with pytest.raises(Injected) if nth == 1 else contextlib.nullcontext():
         try:
             eng.generate(turn2, P)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import fail_at
 from test_engine import check, rand_tokens
 from test_engine_faults import assert_clean_and_exact
 from tiny_model import tiny_model
@@ -34,16 +35,7 @@ def model():
 
 def fail_copy(monkeypatch, nth: int) -> list[int]:
     """The n-th call of copy_pages on the mover's thread raises; returns the call count."""
-    original, calls = mover_module.copy_pages, [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == nth:
-            raise Injected(f"page copy {nth}")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(mover_module, "copy_pages", failing)
-    return calls
+    return fail_at(monkeypatch, mover_module, "copy_pages", nth, Injected)
 
 
 def run_exact(model, eng: Engine, prompts: list[list[int]]) -> None:

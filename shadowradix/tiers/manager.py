@@ -385,8 +385,7 @@ class CacheManager:
                    start: int, full: int, finished: bool) -> None:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
-        result = self.tree.insert(tokens, pages, start, finished=finished,
-                                  prompt=lease.prompt if finished else None)
+        result = self.tree.insert(tokens, pages, start, finished=finished, prompt=lease.prompt)
         lease.tail = None if finished else result.node  # finished: it ends at a checkpoint
         given = pages >= 0
         # Pages it did not adopt (it holds its own copy, or an eager policy dropped ours)

@@ -292,9 +292,10 @@ class ShadowRadix(Eviction):
             segments.append(child if eq == child.n_pages else self._split(child, eq))
             depth += eq
             node = segments[-1]
-        prompt_end = -1  # a prompt longer than what is inserted (a preemption) ends nowhere
-        if finished and prompt is not None and self.policy.learn_resume and prompt // ps <= n:
-            prompt_end = int(prompt) // ps
+        prompt_end = int(prompt) // ps if (
+            finished and prompt is not None and self.policy.learn_resume) else -1
+        if prompt_end > n:  # a prompt longer than what is inserted (a preemption) ends nowhere
+            prompt_end = -1
         keep = self._keep_plan(n, [s.end_page for s in segments if s.branch], finished,
                                prompt_end)
         to_free: list[np.ndarray] = []

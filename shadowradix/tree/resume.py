@@ -54,10 +54,6 @@ class ResumeOffsets:
         self.seen = 0
         self._chosen: tuple[tuple[int, ...], tuple[int, ...]] = ((0,), ())
 
-    @property
-    def total(self) -> float:
-        return float(self.counts.sum())
-
     def observe(self, offset: int, prompt_offset: int = MAX_OFFSET) -> None:
         """Count one match whose logical hit stopped `offset` pages before a sequence end
         and `prompt_offset` before the end of its prompt (MAX_OFFSET or more: too far
@@ -83,6 +79,8 @@ class ResumeOffsets:
 
     def _choose(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         counts, total = self.counts, self.counts.sum()
+        if total <= 0:
+            return (0,), ()
         served = np.zeros_like(counts, dtype=bool)
         served[0, :] = True  # the end checkpoint
         ends, prompts = [0], []
@@ -90,7 +88,7 @@ class ResumeOffsets:
             left = np.where(served, 0.0, counts)  # the matches no chosen offset serves
             by_end, by_prompt = left[:MAX_OFFSET].sum(axis=1), left[:, :MAX_OFFSET].sum(axis=0)
             e, p = int(by_end.argmax()), int(by_prompt.argmax())
-            if max(by_end[e], by_prompt[p]) < MIN_SHARE * total or total <= 0:
+            if max(by_end[e], by_prompt[p]) < MIN_SHARE * total:
                 break
             if by_end[e] >= by_prompt[p]:
                 ends.append(e)
