@@ -579,6 +579,19 @@ def test_prefix_cache_tensor_over_arena() -> None:
 
 
 # ---------------------------------------------------------------- manager
+class ContentCache(PrefixCache):
+    """A metadata-only PrefixCache whose compaction moves the pages' modelled content
+    (pool row -> page -> key) with their ids."""
+
+    content: list[dict[int, object]]
+
+    def copy_pages(self, name: str, old: np.ndarray, new: np.ndarray) -> None:
+        super().copy_pages(name, old, new)
+        row = self.layout.index(name)
+        for a, b in zip(old.tolist(), new.tolist(), strict=True):
+            self.content[row][b] = self.content[row].pop(a, None)
+
+
 class ArenaManagerMachine(ManagerMachine):
     """ManagerMachine with every device pool drawn from one arena of a few frames.
 
@@ -592,9 +605,10 @@ class ArenaManagerMachine(ManagerMachine):
     def __init__(self) -> None:
         RuleBasedStateMachine.__init__(self)
         self.arena = Arena(self.layout, self.frames * plan_frames(self.layout).frame_bytes)
-        self.cache = PrefixCache(self.layout, {}, self.policy, host_pages=self.host_pages,
-                                 arena=self.arena)
         self.content = [{} for _ in self.layout.pools]
+        self.cache = ContentCache(self.layout, {}, self.policy, host_pages=self.host_pages,
+                                  arena=self.arena)
+        self.cache.content = self.content
         host = None
         if self.host_pages is not None:
             self.host_content = [{} for _ in self.layout.pools]
@@ -713,3 +727,4 @@ TestArenaManager = _case(ArenaManagerMachine, 120)
 TestHostArenaManager = _case(HostArenaManagerMachine, 60)
 TestWriteBackArenaManager = _case(WriteBackArenaManagerMachine, 60)
 TestSoloArenaManager = _case(SoloArenaManagerMachine, 80)
+

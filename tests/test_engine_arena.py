@@ -190,3 +190,22 @@ def test_serve_device_bytes_reports_the_arena():
             info["arena"]["frames"] * info["arena"]["frame_bytes"])
         found = metrics(srv.url)
         assert any(k.startswith("shadowradix:pages_used{") and "pool=swa" in k for k in found)
+
+
+def test_compaction_moves_cached_pages_and_every_hit_on_them_stays_exact(model):
+    """A tight arena and conversations of uneven lengths: eviction leaves holes in frames,
+    compaction moves the tree's pages (their bytes too) to give whole frames back, and
+    later turns that hit the moved pages are exact."""
+    eng = engine(model, 24, step_tokens=64)
+    chats = [rand_tokens(17 + 13 * (i % 5), 400 + i) for i in range(10)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for turn in range(3):
+        for i, prompt in enumerate(chats):
+            r = eng.generate([prompt], params, return_logits=True)[0]
+            check(model, prompt, r)
+            chats[i] = prompt + r.output_ids + rand_tokens(5 + 7 * ((i + turn) % 3), 500 + i)
+        both = [chats[turn], chats[turn + 5]]  # two at a time: one runs while the other moves
+        for p, r in zip(both, eng.generate(both, params, return_logits=True), strict=True):
+            check(model, p, r)
+    eng.check_integrity()
+    assert sum(eng._prefix.moved.values()) > 0

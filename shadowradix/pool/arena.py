@@ -19,8 +19,11 @@ What it costs, both counted by `Arena.stats`:
     holes   free slots in frames a pool still holds: a frame goes back only once every
             page in it is free. Allocation fills the frame it touched last first, so pages
             allocated together share frames and drain together (on the conversation trace
-            this beats fullest-first); what remains after a long replay is what eviction
-            could not reclaim.
+            this beats fullest-first). Before evicting for a frame, the cache compacts
+            (`PrefixCache.compact`): `sparse` names the pages of a pool's emptiest frames
+            that fit in the free slots of its others, and `move` gives them slots there,
+            so those frames go back; the tree's pages (and only those no lock holds) are
+            renamed and their bytes copied. What remains is held by running requests.
 
 The simulator's metadata-only pools use this same code (no tensor), so a replay counts the
 fragmentation the engine would have.
@@ -336,6 +339,47 @@ class ArenaPool:
             partial[frame] = None  # touched last: taken from first
         self.frames_held -= empty.size
         self.used_pages -= pages.size
+
+    def sparse(self, limit: int) -> np.ndarray:
+        """The pages in use in up to `limit` of the emptiest frames this pool holds whose
+        pages fit in the free slots of its other frames: what compaction moves so those
+        frames go back to the arena (none while its free slots make no whole frame)."""
+        k = self.per_frame
+        if k == 1 or limit < 1 or self.slots_free < k:
+            return np.empty(0, PAGE_DTYPE)
+        frames = np.fromiter(self._partial, np.int64, len(self._partial))
+        used = self._used[frames]
+        order = np.argsort(used, kind="stable")
+        frames, free = frames[order], k - used[order]
+        room = int(free.sum()) - np.cumsum(free)  # free slots past the m emptiest
+        m = min(limit, int(np.count_nonzero(np.cumsum(k - free) <= room)))
+        which, slot = np.nonzero(self._in_use.reshape(-1, k)[frames[:m]])
+        return (frames[:m][which] * k + slot).astype(PAGE_DTYPE)
+
+    def move(self, old: np.ndarray) -> np.ndarray:
+        """Move pages in use `old` into free slots of the frames that hold none of them
+        (the fullest first) and free `old`: their new ids, in order. Frames left empty go
+        back to the arena. ValueError (changing nothing) if they do not fit."""
+        old = checked_free(self.name, self._in_use, old)
+        k = self.per_frame
+        if old.size == 0:
+            return old.copy()
+        away = set((old // k).tolist())
+        frames = np.fromiter((f for f in self._partial if f not in away), np.int64)
+        frames = frames[np.argsort(self._used[frames], kind="stable")[::-1]]
+        which, slot = np.nonzero(~self._in_use.reshape(-1, k)[frames])
+        if which.size < old.size:
+            raise ValueError(f"pool {self.name!r}: {old.size} pages to move, "
+                             f"{which.size} free slots elsewhere")
+        new = (frames[which[:old.size]] * k + slot[:old.size]).astype(PAGE_DTYPE)
+        into, counts = _tally(new // k)
+        self._in_use[new] = True
+        self._used[into] += counts
+        for frame in into[self._used[into] == k].tolist():
+            del self._partial[frame]
+        self.used_pages += new.size
+        self.free(old)
+        return new
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
         return self._in_use[np.asarray(pages, dtype=PAGE_DTYPE)]

@@ -100,6 +100,8 @@ class PrefixCache:
                 raise ValueError(f"the arena holds pools {sorted(arena.names)}; the device "
                                  f"pools are {sorted(on_device)}")
             self._arena_pools = arena.pools()
+            self._owners = self.tree.track_owners()
+            self._futile: dict[str, int] = {}  # see compact
             apart = {n: pages if isinstance(pages, int) else pages[n] for n in in_host_memory}
             self.pools = {**_pools(layout, apart, device, in_host_memory=in_host_memory),
                           **self._arena_pools} if apart else dict(self._arena_pools)
@@ -114,6 +116,8 @@ class PrefixCache:
                                           None if device is None else "cpu", pin_memory=cuda))
         self.evicted = {name: 0 for name in layout.pool_names}
         self.evicted_host = {name: 0 for name in layout.pool_names}
+        self.moved = {name: 0 for name in layout.pool_names}  # pages an arena's compaction moved
+        self.compact_seconds = 0.0
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
         self._unreleased: list[tuple[int, str, np.ndarray]] = []  # see `release`
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
@@ -243,6 +247,8 @@ class PrefixCache:
         order = sorted(pools.values(), key=lambda p: (p.spec.retention is Retention.ALL,
                                                       -self._page_bytes[p.name]))
         while (short := arena.frames_short(pools, need)) > 0:
+            if not self.has_host and self.compact(short):
+                continue
             before = sum(p.used_pages for p in pools.values())
             if not self.has_host:
                 t0 = time.perf_counter()
@@ -258,6 +264,53 @@ class PrefixCache:
             if sum(p.used_pages for p in pools.values()) == before:
                 return False
         return True
+
+    def compact(self, frames: int) -> int:
+        """Arena: move the tree's unlocked device pages out of the emptiest frames of a
+        pool into the free slots of its others, until `frames` frames went back to the
+        arena or no pool holds a whole frame's worth of free slots there; the frames that
+        went back. The bytes move with them (a device copy); nothing a request holds
+        moves. O(tree) per pool it compacts."""
+        assert self.arena is not None
+        t0 = time.perf_counter()
+        start = self.arena.free_frames
+        for name, pool in self._arena_pools.items():
+            got = self.arena.free_frames - start
+            if got >= frames:
+                break
+            if pool.slots_free <= self._futile.get(name, -1):
+                continue  # no more free slots than when nothing here could move
+            pages = pool.sparse(frames - got)
+            if pages.size == 0:
+                continue
+            row = self.layout.index(name)
+            ok, owners = self._owners.movable(row, pages)
+            frame = pages // pool.per_frame
+            ok &= ~np.isin(frame, frame[~ok])  # a frame moves whole or not at all
+            if not np.count_nonzero(ok):
+                self._futile[name] = pool.slots_free
+                continue
+            self._futile.pop(name, None)
+            new = np.full(pages.size, -1, PAGE_DTYPE)
+            new[ok] = pool.move(pages[ok])
+            self.copy_pages(name, pages[ok], new[ok])
+            self._owners.relocate(row, owners, new)
+            self.moved[name] += int(np.count_nonzero(ok))
+        self.compact_seconds += time.perf_counter() - t0
+        return self.arena.free_frames - start
+
+    def copy_pages(self, name: str, old: np.ndarray, new: np.ndarray) -> None:
+        """Device pages' bytes from `old` to `new` ids of one pool, for a compaction (on
+        the current stream: in order with the forwards before and after). A no-op for
+        metadata-only pools."""
+        if self.pools[name].storage is None:
+            return
+        import torch
+
+        data = self.tensor(name)
+        src = torch.as_tensor(old.astype(np.int64), device=data.device)
+        dst = torch.as_tensor(new.astype(np.int64), device=data.device)
+        data[:, dst] = data[:, src]
 
     def _short_bytes(self, need: Mapping[str, int]) -> int:
         """Shared budget: bytes that must be let go before `need` fits (<= 0: none)."""

@@ -26,6 +26,9 @@ def check_tree(tree: ShadowRadix) -> None:
             _expect(child.alive, f"node {child.id} is in the tree but marked dead")
             _expect(child.parent is node, f"node {child.id}: parent link broken")
             _expect(child.n_pages > 0, f"node {child.id} has no pages")
+            if tree.owners is not None:
+                _expect(tree.owners.holds(child), f"node {child.id}: the page owners map "
+                        f"names another node for one of its device pages")
             _expect(key == child.key(ps), f"node {child.id}: child key is not its first page")
             _expect(child.start_page == node.end_page,
                     f"node {child.id}: starts at page {child.start_page}, parent ends at "

@@ -27,6 +27,7 @@ from shadowradix.tree.eviction import Eviction
 from shadowradix.tree.lifetime import Ghost, LooseLifetime
 from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
+from shadowradix.tree.relocate import PageOwners
 from shadowradix.tree.results import InsertResult, LockHandle, MatchResult, Peek, _Probe
 from shadowradix.tree.resume import MAX_OFFSET, ResumeOffsets, check_prompt
 from shadowradix.tree.rules import MatchRule
@@ -88,7 +89,19 @@ class ShadowRadix(Eviction):
         self._n_nodes = 1
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
         self.lifetime = LooseLifetime()  # read only under policy.adaptive_lifetime
+        # Which node holds each device page, for moving them (an arena's compaction): off
+        # unless `track_owners` is called, as it costs a little at every insert.
+        self.owners: PageOwners | None = None
         self._init_eviction()
+
+    def track_owners(self) -> PageOwners:
+        """Start remembering which node holds each device page (tree/relocate.py); call it
+        on an empty tree."""
+        if self.root.children:
+            raise ValueError("track_owners needs an empty tree")
+        if self.owners is None:
+            self.owners = PageOwners(self.n_pools)
+        return self.owners
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, tokens: Sequence[int] | np.ndarray, *,
@@ -317,6 +330,8 @@ class ShadowRadix(Eviction):
             if np.count_nonzero(fill):
                 slot[fill] = req[fill]
                 self._count(fill, +1, tier, seg)
+                if self.owners is not None and tier == DEVICE:
+                    self.owners.note(seg, np.where(fill, req, -1))
             if np.count_nonzero(drop):
                 to_free.append(np.where(drop, req, -1))
             self._enqueue(seg)
@@ -337,6 +352,8 @@ class ShadowRadix(Eviction):
                     to_free.append(np.where(drop, req, -1))
                     leaf.pages[drop] = -1
             node.children[leaf.key(ps)] = leaf
+            if self.owners is not None and tier == DEVICE:
+                self.owners.note(leaf, leaf.pages)
             self._n_nodes += 1
             self._count(leaf.slot(tier) >= 0, +1, tier)
             segments.append(leaf)
@@ -483,6 +500,8 @@ class ShadowRadix(Eviction):
                 given.append((walk, seg, give))
         for walk, seg, give in given:
             walk.slot(tier)[give] = seg[give]
+            if self.owners is not None and tier == DEVICE:
+                self.owners.note(walk, np.where(give, seg, -1))
             self._count(give, +1, tier, walk)
             self._enqueue(walk)
 
@@ -536,6 +555,8 @@ class ShadowRadix(Eviction):
 
     def _split(self, node: Node, j: int) -> Node:
         head = node.split(j, self.page_size)
+        if self.owners is not None:
+            self.owners.note(head, head.pages)
         self._n_nodes += 1
         self._enqueue(head)
         return head
