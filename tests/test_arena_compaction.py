@@ -52,7 +52,7 @@ def workload(frames: int, seed: int, running: int = 0) -> tuple[ContentCache, Ca
             i = len(chats)
             chats.append(tokens)
         tokens = tokens.astype(np.int32)
-        lease = manager.admit(tokens, tokens.size)
+        lease = admit_growing(manager, tokens)
         if lease is None:
             continue
         _write(cache, lease, tokens)
@@ -64,6 +64,20 @@ def workload(frames: int, seed: int, running: int = 0) -> tuple[ContentCache, Ca
         manager.check_integrity()
         tree_content_holds(cache)
     return cache, manager, held
+
+
+def admit_growing(manager: CacheManager, tokens: np.ndarray):
+    """Admit `tokens` a page at a time, as the engine's chunks and decode steps grow a
+    request (so an allocation often wants one pool's page while another's frames have
+    holes); None, the request aborted, where a page does not fit."""
+    lease = manager.admit(tokens, PS)
+    if lease is None:
+        return None
+    for end in range(2 * PS, tokens.size + PS, PS):
+        if not manager.grow(lease, min(end, tokens.size)):
+            manager.abort(lease)
+            return None
+    return lease
 
 
 def _write(cache: ContentCache, lease, tokens: np.ndarray) -> None:
@@ -78,7 +92,7 @@ def _write(cache: ContentCache, lease, tokens: np.ndarray) -> None:
 def test_compaction_moves_pages_with_their_data() -> None:
     moved = 0
     for seed in range(6):
-        cache, _, _ = workload(20, seed)
+        cache, _, _ = workload(24, seed)
         moved += sum(cache.moved.values())
         assert tree_content_holds(cache) > 0
         cache.arena.check_integrity(cache._arena_pools)

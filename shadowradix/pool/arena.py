@@ -23,7 +23,8 @@ What it costs, both counted by `Arena.stats`:
             (`PrefixCache.compact`): `sparse` names the pages of a pool's emptiest frames
             that fit in the free slots of its others, and `move` gives them slots there,
             so those frames go back; the tree's pages (and only those no lock holds) are
-            renamed and their bytes copied. What remains is held by running requests.
+            renamed and their bytes copied (`claim` books the new slots first, so a fault
+            in the copy undoes the move). What remains is held by running requests.
 
 The simulator's metadata-only pools use this same code (no tensor), so a replay counts the
 fragmentation the engine would have.
@@ -340,26 +341,30 @@ class ArenaPool:
         self.frames_held -= empty.size
         self.used_pages -= pages.size
 
-    def sparse(self, limit: int) -> np.ndarray:
-        """The pages in use in up to `limit` of the emptiest frames this pool holds whose
-        pages fit in the free slots of its other frames: what compaction moves so those
-        frames go back to the arena (none while its free slots make no whole frame)."""
+    def sparse(self, limit: int, exclude: Collection[int] = ()) -> np.ndarray:
+        """The pages in use in up to `limit` of the emptiest frames this pool holds, but
+        `exclude`, whose pages fit in the free slots of its other frames (excluded ones
+        too): what compaction moves so those frames go back to the arena (none while its
+        free slots make no whole frame)."""
         k = self.per_frame
         if k == 1 or limit < 1 or self.slots_free < k:
             return np.empty(0, PAGE_DTYPE)
         frames = np.fromiter(self._partial, np.int64, len(self._partial))
+        if exclude:
+            frames = frames[~np.isin(frames, np.fromiter(exclude, np.int64, len(exclude)))]
         used = self._used[frames]
         order = np.argsort(used, kind="stable")
-        frames, free = frames[order], k - used[order]
-        room = int(free.sum()) - np.cumsum(free)  # free slots past the m emptiest
-        m = min(limit, int(np.count_nonzero(np.cumsum(k - free) <= room)))
+        frames, used = frames[order], used[order]
+        room = self.slots_free - np.cumsum(k - used)  # free slots past the m emptiest
+        m = min(limit, int(np.count_nonzero(np.cumsum(used) <= room)))
         which, slot = np.nonzero(self._in_use.reshape(-1, k)[frames[:m]])
         return (frames[:m][which] * k + slot).astype(PAGE_DTYPE)
 
-    def move(self, old: np.ndarray) -> np.ndarray:
-        """Move pages in use `old` into free slots of the frames that hold none of them
-        (the fullest first) and free `old`: their new ids, in order. Frames left empty go
-        back to the arena. ValueError (changing nothing) if they do not fit."""
+    def claim(self, old: np.ndarray) -> np.ndarray:
+        """Book a free slot for each page in use of `old`, in the frames that hold none of
+        them (the fullest first): their new ids, in order. `old` stays in use: the caller
+        frees it once the bytes and the ids moved (`move` does both). ValueError (changing
+        nothing) if they do not fit."""
         old = checked_free(self.name, self._in_use, old)
         k = self.per_frame
         if old.size == 0:
@@ -378,6 +383,12 @@ class ArenaPool:
         for frame in into[self._used[into] == k].tolist():
             del self._partial[frame]
         self.used_pages += new.size
+        return new
+
+    def move(self, old: np.ndarray) -> np.ndarray:
+        """`claim` slots for pages in use `old` and free `old`: their new ids, in order.
+        Frames left empty go back to the arena."""
+        new = self.claim(old)
         self.free(old)
         return new
 

@@ -26,6 +26,8 @@ from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.stats import TreeStats
 from shadowradix.tree.tier import DEVICE, HOST
 
+COMPACT_ROUNDS = 8  # frames a lock holds, set aside, before a pool's compaction gives up
+
 
 def _sizes(layout: KVLayout, pages: int | Mapping[str, int]) -> dict[str, int]:
     sizes = {p.name: pages for p in layout.pools} if isinstance(pages, int) else dict(pages)
@@ -101,7 +103,7 @@ class PrefixCache:
                                  f"pools are {sorted(on_device)}")
             self._arena_pools = arena.pools()
             self._owners = self.tree.track_owners()
-            self._futile: dict[str, int] = {}  # see compact
+            self._futile: dict[str, tuple[int, int]] = {}  # see _compact_pool
             apart = {n: pages if isinstance(pages, int) else pages[n] for n in in_host_memory}
             self.pools = {**_pools(layout, apart, device, in_host_memory=in_host_memory),
                           **self._arena_pools} if apart else dict(self._arena_pools)
@@ -119,7 +121,8 @@ class PrefixCache:
         self.moved = {name: 0 for name in layout.pool_names}  # pages an arena's compaction moved
         self.compact_seconds = 0.0
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
-        self._unreleased: list[tuple[int, str, np.ndarray]] = []  # see `release`
+        # Pages the tree let go (evicted: True) or moved away from, to free: see `release`
+        self._unreleased: list[tuple[int, str, np.ndarray, bool]] = []
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
         self.allocs = 0
 
@@ -247,8 +250,8 @@ class PrefixCache:
         order = sorted(pools.values(), key=lambda p: (p.spec.retention is Retention.ALL,
                                                       -self._page_bytes[p.name]))
         while (short := arena.frames_short(pools, need)) > 0:
-            if not self.has_host and self.compact(short):
-                continue
+            if not self.has_host and self.compact(short, need):
+                continue  # each frame it gave back is one fewer short
             before = sum(p.used_pages for p in pools.values())
             if not self.has_host:
                 t0 = time.perf_counter()
@@ -265,39 +268,67 @@ class PrefixCache:
                 return False
         return True
 
-    def compact(self, frames: int) -> int:
+    def compact(self, frames: int, need: Mapping[str, int] | None = None) -> int:
         """Arena: move the tree's unlocked device pages out of the emptiest frames of a
         pool into the free slots of its others, until `frames` frames went back to the
-        arena or no pool holds a whole frame's worth of free slots there; the frames that
-        went back. The bytes move with them (a device copy); nothing a request holds
-        moves. O(tree) per pool it compacts."""
+        arena or no pool can give back a frame without a lock in the way; the frames that
+        went back. A frame is left whole where a lock holds one of its pages (the next
+        emptiest goes instead). With `need` (pages per pool about to be allocated), a pool
+        keeps the free slots it needs: a frame it gave back would only be taken again.
+        The bytes move with the pages (a device copy); nothing a request holds moves, and
+        a fault leaves every page where it was. O(tree) per pool it compacts."""
         assert self.arena is not None
         t0 = time.perf_counter()
         start = self.arena.free_frames
-        for name, pool in self._arena_pools.items():
-            got = self.arena.free_frames - start
-            if got >= frames:
-                break
-            if pool.slots_free <= self._futile.get(name, -1):
-                continue  # no more free slots than when nothing here could move
-            pages = pool.sparse(frames - got)
-            if pages.size == 0:
-                continue
-            row = self.layout.index(name)
-            ok, owners = self._owners.movable(row, pages)
-            frame = pages // pool.per_frame
-            ok &= ~np.isin(frame, frame[~ok])  # a frame moves whole or not at all
-            if not np.count_nonzero(ok):
-                self._futile[name] = pool.slots_free
-                continue
-            self._futile.pop(name, None)
-            new = np.full(pages.size, -1, PAGE_DTYPE)
-            new[ok] = pool.move(pages[ok])
-            self.copy_pages(name, pages[ok], new[ok])
-            self._owners.relocate(row, owners, new)
-            self.moved[name] += int(np.count_nonzero(ok))
-        self.compact_seconds += time.perf_counter() - t0
+        try:
+            for name, pool in self._arena_pools.items():
+                got = self.arena.free_frames - start
+                if got >= frames:
+                    break
+                spare = (pool.slots_free - (need or {}).get(name, 0)) // pool.per_frame
+                if min(spare, frames - got) >= 1:
+                    self._compact_pool(name, pool, min(spare, frames - got))
+        finally:
+            self.compact_seconds += time.perf_counter() - t0
         return self.arena.free_frames - start
+
+    def _compact_pool(self, name: str, pool: ArenaPool, frames: int) -> None:
+        """Give up to `frames` of `pool`'s frames back (see `compact`)."""
+        memo = (pool.slots_free, self._owners.version)
+        if self._futile.get(name) == memo:
+            return  # nothing could move then, and nothing turned movable since
+        row, k = self.layout.index(name), pool.per_frame
+        locked: set[int] = set()  # frames a lock holds a page of
+        pages = np.empty(0, PAGE_DTYPE)
+        for _ in range(COMPACT_ROUNDS):
+            pages = pool.sparse(frames, locked)
+            ok, owners = self._owners.movable(row, pages)
+            if ok.all():
+                break
+            frame = pages // k
+            locked.update(np.unique(frame[~ok]).tolist())
+        else:  # the frames no lock holds of the last choice
+            pages = pages[~np.isin(pages // k, np.fromiter(locked, np.int64, len(locked)))]
+            _, owners = self._owners.movable(row, pages)
+        if pages.size == 0:
+            self._futile[name] = memo
+            return
+        self._futile.pop(name, None)
+        new = pool.claim(pages)
+        try:
+            self._owners.relocate(row, owners, new)
+        except BaseException:  # the tree still names `pages`
+            pool.free(new)
+            raise
+        try:
+            self.copy_pages(name, pages, new)
+        except BaseException:  # back to `pages`, which still hold the bytes
+            self._owners.relocate(row, owners, pages)
+            pool.free(new)
+            raise
+        self._unreleased.append((DEVICE, name, pages, False))
+        self.moved[name] += int(pages.size)
+        self._release_pending()
 
     def copy_pages(self, name: str, old: np.ndarray, new: np.ndarray) -> None:
         """Device pages' bytes from `old` to `new` ids of one pool, for a compaction (on
@@ -406,15 +437,16 @@ class PrefixCache:
         for tier, freed in ((DEVICE, result.freed), (HOST, result.freed_host)):
             for name, pages in freed.items():
                 if pages.size:
-                    self._unreleased.append((tier, name, pages))
+                    self._unreleased.append((tier, name, pages, True))
         self._release_pending()
 
     def _release_pending(self) -> None:
         while self._unreleased:
-            tier, name, pages = self._unreleased[0]
+            tier, name, pages, evicted = self._unreleased[0]
             self.tier_pools(tier)[name].free(pages)  # atomic: on a fault it stays queued
             self._unreleased.pop(0)
-            (self.evicted if tier == DEVICE else self.evicted_host)[name] += pages.size
+            if evicted:
+                (self.evicted if tier == DEVICE else self.evicted_host)[name] += pages.size
 
     def flush(self, tier: int = DEVICE, room: SpillRoom | None = None) -> None:
         """Drop every unlocked page the tree holds in `tier` (device pages into `room`)."""
@@ -435,7 +467,7 @@ class PrefixCache:
                 if tier != DEVICE or name not in self._arena_pools:  # the arena checked those
                     pool.check_integrity()
                 tree_pages = self.tree.all_pages(name, tier)
-                owned = [tree_pages, *(p for t, n, p in self._unreleased
+                owned = [tree_pages, *(p for t, n, p, _ in self._unreleased
                                        if t == tier and n == name)]
                 if held is not None and name in held and tier == DEVICE:
                     owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))

@@ -22,23 +22,33 @@ class PageOwners:
 
     def __init__(self, n_pools: int) -> None:
         self._rows = [np.empty(0, dtype=object) for _ in range(n_pools)]
+        # Bumped whenever a page may have turned movable (the tree took it, or a lock went):
+        # a compaction that found nothing to move tries again only after it changed.
+        self.version = 0
 
     def note(self, node: Node, table: np.ndarray) -> None:
         """`node` now holds the device pages of `table` ([pools, n], -1: none)."""
+        self.version += 1
         for row in range(len(self._rows)):
             ids = table[row]
             self._set(row, ids[ids >= 0], node)
 
+    def unlocked(self) -> None:
+        """A lock went: pages it held may move now."""
+        self.version += 1
+
     def _set(self, row: int, ids: np.ndarray, node: Node) -> None:
-        if not ids.size:
-            return
+        if ids.size:
+            self._grow(row, int(ids.max()))
+            self._rows[row][ids] = node
+
+    def _grow(self, row: int, top: int) -> None:
+        """Room in row `row` for page id `top`."""
         owner = self._rows[row]
-        top = int(ids.max())
         if top >= owner.size:
             grown = np.empty(max(top + 1, 2 * owner.size), dtype=object)
             grown[:owner.size] = owner
-            owner = self._rows[row] = grown
-        owner[ids] = node
+            self._rows[row] = grown
 
     def holds(self, node: Node) -> bool:
         """Whether the map names `node` for every device page it holds (integrity)."""
@@ -80,8 +90,11 @@ class PageOwners:
 
     def relocate(self, row: int, owners: Owners, new: np.ndarray) -> None:
         """Give each owned page its new id, `new[i]` for `pages[i]` where `new[i] >= 0`
-        (`owners` from `movable` on `pages`, the tree unchanged since). The tree's counts
-        do not change."""
+        (`owners` from `movable` on `pages`, the tree unchanged since; `new` = `pages`
+        afterwards undoes it). The tree's counts do not change. The map grows first, so
+        nothing after can fail halfway."""
+        if new.size:
+            self._grow(row, int(new.max()))
         for node, cols, at in owners:
             to = new[at]
             move = to >= 0
