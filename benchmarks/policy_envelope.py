@@ -2,6 +2,7 @@
 
     python benchmarks/policy_envelope.py [--trace conversation|synthetic|PATH]
         [--sizes 64,128,256,512,1024] [--workers 2] [--json OUT] [--plot OUT.png]
+        [--reuse EARLIER.json --rerun POLICY,...]
 
 DeepSeek-V4-Pro, SGLang's fp8 KV records, page 256, through `shadowradix.sim.simulate`
 (the real tree over metadata-only pools). At each device size it replays the trace under:
@@ -21,11 +22,15 @@ points of the best static and of no shadows at every size, 99% of the bound wher
 static setting reaches that (memory holds the working set), 90% of the bound at 256 GB,
 and one replay of the whole trace in under 60 s. The replays run in `--workers`
 processes (each a single-threaded replay; take timings with nothing else running).
+`--reuse` takes the replays of an earlier run's JSON (the same trace and sizes) and replays
+only what it lacks and the policies named in `--rerun` (the ones whose code changed): a
+replay is deterministic, so the table is the one a full run prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -60,6 +65,19 @@ def _load(trace: str) -> None:
     _requests = load_trace(trace)
 
 
+def _key(name: str, k: int, ratio: float, gb: float) -> tuple[str, float, float]:
+    """A grid entry as its run records it: policy name, device GB, and the window share
+    that tells the static settings apart."""
+    if name == "periodic":
+        return f"periodic-{k}", gb, ratio
+    return name, gb, -1.0
+
+
+def _run_key(run: dict[str, Any]) -> tuple[str, float, float]:
+    ratio = run["window_ratio"] if run["policy"].startswith("periodic-") else -1.0
+    return run["policy"], run["device_gb"], ratio
+
+
 def _run(job: tuple[str, int, float, float, float]) -> dict[str, Any]:
     name, k, ratio, gb, bound = job
     layout = named_layout("deepseek-v4-pro", 256, "fp8")
@@ -76,23 +94,44 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     trace_args(ap, "64,128,256,512,1024")
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="an earlier run's JSON whose replays are kept (see --rerun)")
+    ap.add_argument("--rerun", default="",
+                    help="comma-separated policies replayed anew despite --reuse")
     args = ap.parse_args(argv)
+    if args.rerun and args.reuse is None:
+        ap.error("--rerun needs --reuse")
     console = Console(width=150)
     trace = trace_path(args.trace)
     requests = load_trace(trace)
     bound = bound_hit_rate(requests, 256)
     sizes = [float(s) for s in args.sizes.split(",")]
-    jobs = [(name, k, r, gb, bound) for gb in sizes for name, k, r in grid()]
+    jobs = all_jobs = [(name, k, r, gb, bound) for gb in sizes for name, k, r in grid()]
+    kept: list[dict[str, Any]] = []
+    if args.reuse is not None:
+        rerun = {n for n in args.rerun.split(",") if n}
+        unknown = rerun - {name for name, _, _ in grid()}
+        if unknown:
+            ap.error(f"--rerun: no policy {sorted(unknown)}; the grid has "
+                     f"{sorted({name for name, _, _ in grid()})}")
+        wanted = {_key(name, k, r, gb) for name, k, r, gb, _ in jobs}
+        earlier = {_run_key(r): r for r in json.loads(args.reuse.read_text())}
+        kept = [earlier[key] for key in sorted(wanted & set(earlier))
+                if key[0] not in rerun]
+        have = {_run_key(r) for r in kept}
+        jobs = [j for j in jobs if _key(j[0], j[1], j[2], j[3]) not in have]
+        console.print(f"reusing {len(kept)} replays of {args.reuse}")
     console.print(f"{len(requests):,} requests of {trace}, bound {bound:.1%}: {len(jobs)} "
                   f"replays in {args.workers} processes; load average {os.getloadavg()[0]:.2f}")
     t0 = time.perf_counter()
-    runs: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = list(kept)
     with ProcessPoolExecutor(args.workers, initializer=_load, initargs=(trace,)) as pool:
         for i, run in enumerate(pool.map(_run, jobs), 1):
             runs.append(run)
-            if i % len(grid()) == 0:
-                console.print(f"  {run['device_gb']:g} GB done ({i}/{len(jobs)}, "
-                              f"{time.perf_counter() - t0:.0f} s)")
+            console.print(f"  {run['policy']} at {run['device_gb']:g} GB ({i}/{len(jobs)}, "
+                          f"{time.perf_counter() - t0:.0f} s)")
+    order = {_key(name, k, r, gb): i for i, (name, k, r, gb, _) in enumerate(all_jobs)}
+    runs.sort(key=lambda run: order[_run_key(run)])  # as a full run lists them
     best = envelope(runs)
     table = Table(title=f"hit rate (% of prompt tokens), DeepSeek-V4-Pro fp8, page 256, "
                   f"{Path(trace).name} (bound {100 * bound:.1f}%)")
