@@ -44,14 +44,7 @@ def workload(frames: int, seed: int, running: int = 0) -> tuple[ContentCache, Ca
     chats: list[np.ndarray] = []
     held = []
     for step in range(120):
-        if chats and rng.random() < 0.5:
-            i = int(rng.integers(len(chats)))
-            tokens = np.concatenate([chats[i], rng.integers(0, 50, int(rng.integers(1, 3 * PS)))])
-        else:
-            tokens = rng.integers(0, 50, int(rng.integers(PS, 5 * PS)))
-            i = len(chats)
-            chats.append(tokens)
-        tokens = tokens.astype(np.int32)
+        i, tokens = next_turn(rng, chats, 0.5)
         lease = admit_growing(manager, tokens)
         if lease is None:
             continue
@@ -64,6 +57,31 @@ def workload(frames: int, seed: int, running: int = 0) -> tuple[ContentCache, Ca
         manager.check_integrity()
         tree_content_holds(cache)
     return cache, manager, held
+
+
+def next_turn(rng: np.random.Generator, chats: list[np.ndarray],
+              follow: float) -> tuple[int, np.ndarray]:
+    """A request: with chance `follow` a conversation of `chats` extended, else a new one
+    (appended); its index and tokens."""
+    if chats and rng.random() < follow:
+        i = int(rng.integers(len(chats)))
+        tokens = np.concatenate([chats[i], rng.integers(0, 50, int(rng.integers(1, 3 * PS)))])
+    else:
+        tokens = rng.integers(0, 50, int(rng.integers(PS, 5 * PS)))
+        i = len(chats)
+        chats.append(tokens)
+    return i, tokens.astype(np.int32)
+
+
+def running_pages_hold(cache: ContentCache, lease, tokens: np.ndarray) -> None:
+    """What a running request holds (its own pages, and its prefix's ALL pages) never
+    moved nor changed."""
+    for row, spec in enumerate(cache.layout.pools):
+        every = spec.retention is Retention.ALL
+        for i, page in enumerate(lease.table[row].tolist()):
+            if page >= 0 and (every or lease.own[row, i]):
+                assert cache.content[row].get(page) == page_key(tokens, i, row, PS), (
+                    f"row {row}: page {i} of a running request moved or changed")
 
 
 def admit_growing(manager: CacheManager, tokens: np.ndarray):
@@ -105,13 +123,8 @@ def test_compaction_never_moves_what_a_running_request_holds() -> None:
         cache, manager, held = workload(30, seed, running=2)
         moved += sum(cache.moved.values())
         manager.check_integrity()
-        for lease, tokens in held:  # what it holds: its own pages, and its prefix's ALL pages
-            for row, spec in enumerate(cache.layout.pools):
-                every = spec.retention is Retention.ALL
-                for i, page in enumerate(lease.table[row].tolist()):
-                    if page >= 0 and (every or lease.own[row, i]):
-                        assert cache.content[row].get(page) == page_key(tokens, i, row, PS), (
-                            f"row {row}: page {i} of a running request moved or changed")
+        for lease, tokens in held:
+            running_pages_hold(cache, lease, tokens)
         tree_content_holds(cache)
         for lease, tokens in held:
             manager.finish(lease, tokens, tokens.size)

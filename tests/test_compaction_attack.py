@@ -29,7 +29,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_arena import ContentCache, tiny_layout
 from test_arena_attack import Oracle, frame_bytes
-from test_arena_compaction import _write, admit_growing, tree_content_holds
+from test_arena_compaction import (
+    _write,
+    admit_growing,
+    next_turn,
+    running_pages_hold,
+    tree_content_holds,
+)
 from test_engine import check, rand_tokens
 from test_engine_arena import engine as arena_engine_pages
 from test_tree_machine import PS, steps
@@ -82,14 +88,7 @@ def conversations(manager: CacheManager, cache: ContentCache, seed: int, steps_:
     held: list[tuple[object, np.ndarray]] = []
     faults = 0
     for _step in range(steps_):
-        if chats and rng.random() < 0.55:
-            i = int(rng.integers(len(chats)))
-            tokens = np.concatenate([chats[i], rng.integers(0, 50, int(rng.integers(1, 3 * PS)))])
-        else:
-            tokens = rng.integers(0, 50, int(rng.integers(PS, 5 * PS)))
-            i = len(chats)
-            chats.append(tokens)
-        tokens = tokens.astype(np.int32)
+        i, tokens = next_turn(rng, chats, 0.55)
         try:
             if held and (len(held) >= running or rng.random() < 0.3):
                 lease, toks = held.pop(0)
@@ -110,21 +109,12 @@ def conversations(manager: CacheManager, cache: ContentCache, seed: int, steps_:
         manager.check_integrity()
         tree_content_holds(cache)
         for lease, toks in held:  # a running request's pages never move nor change
-            _running_pages_hold(cache, lease, toks)
+            running_pages_hold(cache, lease, toks)
     for lease, toks in held:
         manager.finish(lease, toks, toks.size)
     manager.check_integrity()
     tree_content_holds(cache)
     return faults
-
-
-def _running_pages_hold(cache: ContentCache, lease, tokens: np.ndarray) -> None:
-    for row, spec in enumerate(cache.layout.pools):
-        every = spec.retention is Retention.ALL
-        for i, page in enumerate(lease.table[row].tolist()):
-            if page >= 0 and (every or lease.own[row, i]):
-                assert cache.content[row].get(page) == page_key(tokens, i, row, PS), (
-                    f"row {row}: page {i} of a running request moved or changed")
 
 
 def test_compaction_around_running_requests_keeps_every_page_and_every_count() -> None:
@@ -594,15 +584,10 @@ TestCompactionMachine.settings = settings(steps(150), derandomize=True, database
 
 # ------------------------------------------------------------------ sparse / move alone
 
-@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 2**16)),
-                    min_size=1, max_size=40), limit=st.integers(1, 6))
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
-def test_moving_what_sparse_names_gives_back_exactly_those_frames(ops, limit) -> None:
-    """Regression: random allocations and frees on one pool of an arena; the pages `sparse`
-    names always fit (`move` never raises), their frames and only those go back, the
-    pages in use stay as many, and every new id was free."""
-    layout = HLAYOUT
-    arena = Arena(layout, 40 * plan_frames(layout).frame_bytes)
+def random_pool(ops, frames: int) -> tuple[Arena, dict[str, ArenaPool], ArenaPool]:
+    """An arena of `frames` frames of HLAYOUT whose c4 pool went through `ops`: (grow, n,
+    seed) allocates n pages, or frees n random pages of those in use."""
+    arena = Arena(HLAYOUT, frames * plan_frames(HLAYOUT).frame_bytes)
     pools = arena.pools()
     c4 = pools["c4"]
     live: list[int] = []
@@ -611,9 +596,20 @@ def test_moving_what_sparse_names_gives_back_exactly_those_frames(ops, limit) ->
             live += c4.alloc(n).tolist()
         elif live:
             rng = np.random.default_rng(seed)
-            drop = rng.choice(len(live), min(n, len(live)), replace=False)
-            c4.free(np.asarray([live[i] for i in drop], np.int32))
-            live = [p for i, p in enumerate(live) if i not in set(drop.tolist())]
+            drop = set(rng.choice(len(live), min(n, len(live)), replace=False).tolist())
+            c4.free(np.asarray([p for i, p in enumerate(live) if i in drop], np.int32))
+            live = [p for i, p in enumerate(live) if i not in drop]
+    return arena, pools, c4
+
+
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 2**16)),
+                    min_size=1, max_size=40), limit=st.integers(1, 6))
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+def test_moving_what_sparse_names_gives_back_exactly_those_frames(ops, limit) -> None:
+    """Regression: random allocations and frees on one pool of an arena; the pages `sparse`
+    names always fit (`move` never raises), their frames and only those go back, the
+    pages in use stay as many, and every new id was free."""
+    arena, pools, c4 = random_pool(ops, 40)
     pages = c4.sparse(limit)
     frames = set((pages // c4.per_frame).tolist())
     assert len(frames) <= limit

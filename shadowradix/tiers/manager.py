@@ -524,9 +524,10 @@ class CacheManager:
         if lease.loading is not None:  # allocated for a load-back the tree never took
             loading, lease.loading = lease.loading, None
             self.cache.free(loading)
-        if lease.own.any():
-            self.cache.free(self.private(lease))
-            lease.own[:] = False
+        if lease.own.any():  # pool by pool, so that a fault in one leaves a retry the rest
+            for row, (name, pages) in enumerate(self.private(lease).items()):
+                self.cache.free({name: pages})
+                lease.own[row] = False
         while lease.handles:
             handle = lease.handles[-1]
             if not handle.released:

@@ -294,7 +294,7 @@ class PrefixCache:
 
     def _compact_pool(self, name: str, pool: ArenaPool, frames: int) -> None:
         """Give up to `frames` of `pool`'s frames back (see `compact`)."""
-        memo = (pool.slots_free, self._owners.version)
+        memo = (pool.version, self._owners.version)
         if self._futile.get(name) == memo:
             return  # nothing could move then, and nothing turned movable since
         row, k = self.layout.index(name), pool.per_frame
@@ -404,7 +404,8 @@ class PrefixCache:
         return got
 
     def free(self, pages: Mapping[str, np.ndarray], tier: int = DEVICE) -> None:
-        """Return pages nobody shadows, per pool (real ids only, no -1)."""
+        """Return pages nobody shadows, per pool (real ids only, no -1). Pool by pool: a
+        fault in one leaves the pools before it freed (each pool's free is atomic)."""
         pools = self.tier_pools(tier)
         for name, ids in pages.items():
             if len(ids):
