@@ -115,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--rerun: no policy {sorted(unknown)}; the grid has "
                      f"{sorted({name for name, _, _ in grid()})}")
         wanted = {_key(name, k, r, gb) for name, k, r, gb, _ in jobs}
-        earlier = {_run_key(r): r for r in json.loads(args.reuse.read_text())}
+        try:
+            earlier = {_run_key(r): r for r in json.loads(args.reuse.read_text())}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--reuse {args.reuse}: not a JSON of this benchmark's replays ({e})")
+        other = {r["requests"] for r in earlier.values()} - {len(requests)}
+        if other:
+            ap.error(f"--reuse {args.reuse}: its replays are of a trace of {sorted(other)} "
+                     f"requests; {trace} has {len(requests)}")
         kept = [earlier[key] for key in sorted(wanted & set(earlier))
                 if key[0] not in rerun]
         have = {_run_key(r) for r in kept}

@@ -231,7 +231,6 @@ class ArenaPool:
         self._partial: dict[int, None] = {}  # held frames with a free slot, last touched last
         self.used_pages = 0
         self.frames_held = 0
-        self.version = 0  # bumped by every alloc, free and claim: which pages are in use
         self.storage: PoolStorage | None = None
         if arena.data is not None:
             from shadowradix.pool.storage import PoolStorage
@@ -268,7 +267,6 @@ class ArenaPool:
                                 f"{self.free_pages} free in the arena")
         if n == 0:
             return np.empty(0, PAGE_DTYPE)
-        self.version += 1
         if k == 1:  # a page is a frame
             pages = self.arena.take(n, self.row)
             self._used[pages] = 1
@@ -318,7 +316,6 @@ class ArenaPool:
         pages = checked_free(self.name, self._in_use, pages)
         if pages.size == 0:
             return
-        self.version += 1
         k = self.per_frame
         if k == 1:
             self.arena.give(pages.copy())  # first: a fault there leaves everything as it was
@@ -380,7 +377,6 @@ class ArenaPool:
             raise ValueError(f"pool {self.name!r}: {old.size} pages to move, "
                              f"{which.size} free slots elsewhere")
         new = (frames[which[:old.size]] * k + slot[:old.size]).astype(PAGE_DTYPE)
-        self.version += 1
         into, counts = _tally(new // k)
         self._in_use[new] = True
         self._used[into] += counts

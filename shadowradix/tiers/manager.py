@@ -358,8 +358,7 @@ class CacheManager:
         for row, (lo, hi) in enumerate(zip(want, have, strict=True)):
             spare[row, lo:hi] = lease.own[row, lo:hi]
         if spare.any():
-            self.cache.free({n: lease.table[row][spare[row]] for row, n in enumerate(self.names)})
-            lease.own[spare] = False
+            self._give_up(lease.table, lease.own, spare)
             lease.table[spare] = -1
             lease.version += 1
         lease.grown_to = end
@@ -400,8 +399,7 @@ class CacheManager:
         lease.version += 1
         if np.count_nonzero(dups):
             held = self.tree.path_table(result.node, DEVICE)[:, start:full]
-            cache.free({n: pages[row][dups[row]] for row, n in enumerate(self.names)})
-            own[dups] = False
+            self._give_up(pages, own, dups)
             view[dups] = held[dups]
         if not finished:  # it keeps running over the new prefix: the lock moves there
             lease.handles.append(cache.lock(result))
@@ -426,8 +424,7 @@ class CacheManager:
             return
         lo, dups, tree = found
         view, own = lease.table[:, lo:lo + dups.shape[1]], lease.own[:, lo:lo + dups.shape[1]]
-        self.cache.free({n: view[row][dups[row]] for row, n in enumerate(self.names)})
-        own[dups] = False
+        self._give_up(view, own, dups)
         view[dups] = tree[dups]
         lease.version += 1
         if self.host is not None:  # the tree's copy may still be landing from the host
@@ -524,10 +521,8 @@ class CacheManager:
         if lease.loading is not None:  # allocated for a load-back the tree never took
             loading, lease.loading = lease.loading, None
             self.cache.free(loading)
-        if lease.own.any():  # pool by pool, so that a fault in one leaves a retry the rest
-            for row, (name, pages) in enumerate(self.private(lease).items()):
-                self.cache.free({name: pages})
-                lease.own[row] = False
+        if lease.own.any():
+            self._give_up(lease.table, lease.own, lease.own.copy())
         while lease.handles:
             handle = lease.handles[-1]
             if not handle.released:
@@ -548,6 +543,17 @@ class CacheManager:
         return len(orphans)
 
     # -------------------------------------------------------------- pages
+    def _give_up(self, table: np.ndarray, own: np.ndarray, cells: np.ndarray) -> None:
+        """Free the pages `table[cells]` a lease owns (`own`: its own marks over the same
+        columns), pool by pool, marking each pool's cells not its own once they are freed:
+        a fault in one pool leaves the later pools' pages the lease's, so an abort after it
+        frees exactly those."""
+        for row, name in enumerate(self.names):
+            mask = cells[row]
+            if np.count_nonzero(mask):
+                self.cache.free({name: table[row][mask]})
+                own[row][mask] = False
+
     def private(self, lease: Lease) -> dict[str, np.ndarray]:
         """The request's own pages, per pool."""
         return {n: lease.table[row][lease.own[row]] for row, n in enumerate(self.names)}

@@ -103,7 +103,6 @@ class PrefixCache:
                                  f"pools are {sorted(on_device)}")
             self._arena_pools = arena.pools()
             self._owners = self.tree.track_owners()
-            self._futile: dict[str, tuple[int, int]] = {}  # see _compact_pool
             apart = {n: pages if isinstance(pages, int) else pages[n] for n in in_host_memory}
             self.pools = {**_pools(layout, apart, device, in_host_memory=in_host_memory),
                           **self._arena_pools} if apart else dict(self._arena_pools)
@@ -294,9 +293,6 @@ class PrefixCache:
 
     def _compact_pool(self, name: str, pool: ArenaPool, frames: int) -> None:
         """Give up to `frames` of `pool`'s frames back (see `compact`)."""
-        memo = (pool.version, self._owners.version)
-        if self._futile.get(name) == memo:
-            return  # nothing could move then, and nothing turned movable since
         row, k = self.layout.index(name), pool.per_frame
         locked: set[int] = set()  # frames a lock holds a page of
         pages = np.empty(0, PAGE_DTYPE)
@@ -311,19 +307,16 @@ class PrefixCache:
             pages = pages[~np.isin(pages // k, np.fromiter(locked, np.int64, len(locked)))]
             _, owners = self._owners.movable(row, pages)
         if pages.size == 0:
-            self._futile[name] = memo
             return
-        self._futile.pop(name, None)
         new = pool.claim(pages)
+        renamed = False
         try:
             self._owners.relocate(row, owners, new)
-        except BaseException:  # the tree still names `pages`
-            pool.free(new)
-            raise
-        try:
+            renamed = True
             self.copy_pages(name, pages, new)
         except BaseException:  # back to `pages`, which still hold the bytes
-            self._owners.relocate(row, owners, pages)
+            if renamed:
+                self._owners.relocate(row, owners, pages)
             pool.free(new)
             raise
         self._unreleased.append((DEVICE, name, pages, False))

@@ -431,8 +431,6 @@ class ShadowRadix(Eviction):
             raise ValueError("lock handle already released")
         self._lock_walk(handle, -1)
         handle.released = True
-        if self.owners is not None:
-            self.owners.unlocked()
 
     def _lock_walk(self, handle: LockHandle, step: int) -> None:
         need = handle.window_pages

@@ -22,20 +22,12 @@ class PageOwners:
 
     def __init__(self, n_pools: int) -> None:
         self._rows = [np.empty(0, dtype=object) for _ in range(n_pools)]
-        # Bumped whenever a page may have turned movable (the tree took it, or a lock went):
-        # a compaction that found nothing to move tries again only after it changed.
-        self.version = 0
 
     def note(self, node: Node, table: np.ndarray) -> None:
         """`node` now holds the device pages of `table` ([pools, n], -1: none)."""
-        self.version += 1
         for row in range(len(self._rows)):
             ids = table[row]
             self._set(row, ids[ids >= 0], node)
-
-    def unlocked(self) -> None:
-        """A lock went: pages it held may move now."""
-        self.version += 1
 
     def _set(self, row: int, ids: np.ndarray, node: Node) -> None:
         if ids.size:
