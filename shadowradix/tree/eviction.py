@@ -124,6 +124,8 @@ class Eviction:
                      got: _Tally) -> None:
         """Leaves, kept checkpoints and loose pages, oldest first (a loose page's age
         stretched), until `want` bytes are freed."""
+        if got() >= want:  # the loose pages did it: no walk to start (each pops a head)
+            return
         rows = self.short_lived_rows if self.policy.tombstones else []
         lead = max(rows, key=lambda r: page_bytes[r]) if rows else None
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
