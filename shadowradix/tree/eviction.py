@@ -100,8 +100,8 @@ class Eviction:
         """
         if self.tiers != 1:
             raise ValueError("a shared byte budget needs a tree without a host tier")
-        freed: Freed = [[[] for _ in range(self.n_pools)]]
-        got = _Tally(freed, page_bytes)
+        got = _Tally(page_bytes)
+        freed: Freed = [got.rows]
         if want <= 0:
             return self._evict_result(freed)
         if self.policy.tombstones and not self.policy.adaptive_lifetime:
@@ -180,8 +180,7 @@ class Eviction:
         What the leaf would have served: up to its deepest resume point when it goes whole,
         all of it when it goes because its last resume point did (`whole` False)."""
         if self.policy.adaptive_lifetime and leaf.parent is not None:
-            pages = int(np.flatnonzero(self.rule.resumable(leaf.pages))[-1]) if whole else (
-                leaf.n_pages)
+            pages = self.rule.deepest(leaf.pages) if whole else leaf.n_pages
             self.lifetime.remember(leaf.id, leaf.parent.id, leaf.key(self.page_size),
                                    pages, loose, self._n_nodes)
 
@@ -278,8 +277,10 @@ class Eviction:
                 got += self._let_go(node, tier, row, mask, freed)
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
-            if node.alive and self._has(node, tier, row, kept):
-                skipped.append(node)  # its remaining pages are locked
+            # What is left of its kind is held by a window lock (the rest just went).
+            if node.alive and np.count_nonzero(node.window_lock) and self._has(
+                    node, tier, row, kept):
+                skipped.append(node)
             if got >= want:
                 break
         for node in skipped:
@@ -360,8 +361,7 @@ class Eviction:
         """No tier holds the node, or no tier holds a resume point in it."""
         if self.tiers > 1 and not any(self._resident(node, t) for t in range(self.tiers)):
             return True
-        return self.rule.has_checkpoints and not np.count_nonzero(
-            self.rule.resumable(self._either(node))[1:])
+        return self.rule.has_checkpoints and self.rule.deepest(self._either(node)) == 0
 
     def _either(self, node: Node) -> np.ndarray:
         """A node's pages as one table: >= 0 where any tier holds the page."""
@@ -468,17 +468,24 @@ class _Walk:
 
 
 class _Tally:
-    """Bytes in a device `Freed`, counting each array once however often it is asked."""
+    """Bytes let go in a device `Freed` whose rows it makes: each row adds what is appended
+    to it, so asking costs O(1) however often."""
 
-    def __init__(self, freed: Freed, page_bytes: list[int]) -> None:
-        self.rows = freed[DEVICE]
-        self.page_bytes = page_bytes
-        self.seen = [0] * len(self.rows)
+    def __init__(self, page_bytes: list[int]) -> None:
         self.total = 0
+        self.rows: list[list[np.ndarray]] = [_Row(self, b) for b in page_bytes]
 
     def __call__(self) -> int:
-        for row, arrays in enumerate(self.rows):
-            for a in arrays[self.seen[row]:]:
-                self.total += a.size * self.page_bytes[row]
-            self.seen[row] = len(arrays)
         return self.total
+
+
+class _Row(list[np.ndarray]):
+    """One pool row of a `_Tally`'s Freed."""
+
+    def __init__(self, tally: _Tally, page_bytes: int) -> None:
+        super().__init__()
+        self.tally, self.page_bytes = tally, page_bytes
+
+    def append(self, pages: np.ndarray) -> None:
+        super().append(pages)
+        self.tally.total += pages.size * self.page_bytes

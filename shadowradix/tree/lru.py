@@ -35,16 +35,17 @@ class LRUHeap:
         """Yield wanted nodes, least recently used first; each leaves the heap.
 
         A yielded node that should stay a candidate must be `add`ed back. Nodes
-        that are dead or no longer wanted are dropped (and may be `add`ed again).
+        that are dead or no longer wanted are dropped (and may be `add`ed again); an
+        entry with an old stamp is pushed back before `wanted` is asked, which is then
+        asked once, when the node is the oldest.
         """
         heap = self._heap
         while heap:
             stamp, _, _, node = heapq.heappop(heap)
-            if not node.alive or not wanted(node):
-                node.queued &= ~self._bit
-                continue
-            if stamp != node.last_access:
+            if node.alive and stamp != node.last_access:  # re-stamped: judged when it surfaces
                 heapq.heappush(heap, (node.last_access, node.start_page, node.id, node))
                 continue
             node.queued &= ~self._bit
+            if not node.alive or not wanted(node):
+                continue
             yield node
