@@ -156,8 +156,8 @@ class Eviction:
                     self._remove_leaf(node, freed)
             elif node.alive and w.row is not None:
                 self._drop_short(node, rows, freed, w.kept)
-                if node.alive and self._has(node, DEVICE, w.row, w.kept):
-                    skipped.append(node)  # its remaining pages are locked
+                if self._locked_rest(node, DEVICE, w.row, w.kept):
+                    skipped.append(node)
             w.advance()
         for node in (*skipped, *(w.node for w in walks if w.node is not None)):
             if node.alive:
@@ -277,9 +277,7 @@ class Eviction:
                 got += self._let_go(node, tier, row, mask, freed)
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
-            # What is left of its kind is held by a window lock (the rest just went).
-            if node.alive and np.count_nonzero(node.window_lock) and self._has(
-                    node, tier, row, kept):
+            if self._locked_rest(node, tier, row, kept):
                 skipped.append(node)
             if got >= want:
                 break
@@ -410,6 +408,12 @@ class Eviction:
             for row in self.window_pin_rows:
                 pinned[row] += step * int(np.count_nonzero(mask[row] & locked))
 
+    def _locked_rest(self, node: Node, tier: int, row: int, kept: bool) -> bool:
+        """After its free cells of a kind went (`_free_cells`): whether the node is alive and
+        still holds pages of that kind, which only a window lock can keep (no lock: none)."""
+        return node.alive and bool(np.count_nonzero(node.window_lock)) and self._has(
+            node, tier, row, kept)
+
     def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         present = node.slot(tier)[row] >= 0
         mask = present & node.keep[row] if kept else present & ~node.keep[row]
@@ -480,7 +484,8 @@ class _Tally:
 
 
 class _Row(list[np.ndarray]):
-    """One pool row of a `_Tally`'s Freed."""
+    """One pool row of a `_Tally`'s Freed. Only `append` counts: every writer of a Freed
+    appends (extend, += or insert would bypass the tally)."""
 
     def __init__(self, tally: _Tally, page_bytes: int) -> None:
         super().__init__()
