@@ -361,7 +361,7 @@ def test_sampling_over_moved_pages_matches_an_unbounded_engine(model):
     params = [SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3 + i,
                              ignore_eos=True) for i in range(8)]
     big = Engine.from_hf(model, CacheConfig(page_size=EPS, device_tokens=8192))
-    eng = fault_engine(model, 20, 64)
+    eng = fault_engine(model, 22, 64)
     for turn in range(3):
         want = big.generate(prompts, params)
         got = []

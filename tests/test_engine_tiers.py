@@ -79,7 +79,7 @@ def test_many_conversations_through_a_small_device_stay_exact(model, monkeypatch
         def poisoned_submit(self, copies):
             for name, tier, _, dst in copies:
                 if tier == HOST:  # after any earlier copy still reading these pages
-                    self.mover.wait(int(self.busy[name][dst].max()))
+                    self.mover.wait(self.ready_ticket({name: dst}))
                     self.cache.tensor(name)[:, dst] = float("nan")
             return submit(self, copies)
 

@@ -22,7 +22,11 @@ PAGE_DTYPE = np.int32
 def checked_free(name: str, in_use: np.ndarray, pages: np.ndarray) -> np.ndarray:
     """`pages` as int32 ids, each in range and marked in use in `in_use` (the caller marks
     them free). Raises ValueError on an id out of range or not in use."""
-    pages = np.asarray(pages, dtype=PAGE_DTYPE).ravel()
+    given = np.asarray(pages)
+    if given.dtype != PAGE_DTYPE and given.size and (
+            given.min() < 0 or given.max() >= in_use.size):  # before a cast wraps it
+        raise ValueError(f"pool {name!r}: page ids out of range in free()")
+    pages = given.astype(PAGE_DTYPE, copy=False).ravel()
     if pages.size == 0:
         return pages
     try:  # as unsigned, a negative id is out of range instead of wrapping around

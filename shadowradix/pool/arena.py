@@ -17,14 +17,15 @@ What it costs, both counted by `Arena.stats`:
     slack   the bytes of a frame past its last slot (frame_bytes - per_frame * page bytes):
             fixed by the plan, a few percent at most for DeepSeek-V4's pools.
     holes   free slots in frames a pool still holds: a frame goes back only once every
-            page in it is free. Allocation fills the frame it touched last first, so pages
-            allocated together share frames and drain together (on the conversation trace
-            this beats fullest-first). Before evicting for a frame, the cache compacts
-            (`PrefixCache.compact`): `sparse` names the pages of a pool's emptiest frames
-            that fit in the free slots of its others, and `move` gives them slots there,
-            so those frames go back; the tree's pages (and only those no lock holds) are
-            renamed and their bytes copied (`claim` books the new slots first, so a fault
-            in the copy undoes the move). What remains is held by running requests.
+            page in it is free. Allocation takes the slot freed last first (a stack, as
+            PagePool's free list), so pages allocated together share frames and drain
+            together (on the conversation trace this beats fullest-first). Before
+            evicting for a frame, the cache compacts (`PrefixCache.compact`): `sparse`
+            names the pages of a pool's emptiest frames that fit in the free slots of its
+            others, and `move` gives them slots there, so those frames go back; the
+            tree's pages (and only those no lock holds) are renamed and their bytes
+            copied (`claim` books the new slots first, so a fault in the copy undoes the
+            move). What remains is held by running requests.
 
 The simulator's metadata-only pools use this same code (no tensor), so a replay counts the
 fragmentation the engine would have.
@@ -32,7 +33,6 @@ fragmentation the engine would have.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -215,7 +215,11 @@ class ArenaPool:
     in_use, free_pages, used_pages, num_pages, check_integrity), page ids up to
     frames * per_frame. `free_pages` counts what it could take with nothing else
     allocating (its free slots plus every free frame): pools share the free frames, so
-    `Arena.frames_short` is what answers whether several pools' needs fit together."""
+    `Arena.frames_short` is what answers whether several pools' needs fit together.
+
+    Its books are PagePool's: the in-use mask and a stack of free slots, here the free
+    slots of the frames it holds (the slot freed last is taken first, so pages of one age
+    share frames and drain together). A frame's slots leave the stack when it goes back."""
 
     def __init__(self, arena: Arena, row: int, spec: PoolSpec) -> None:
         self.arena = arena
@@ -227,8 +231,11 @@ class ArenaPool:
         if self.num_pages >= np.iinfo(PAGE_DTYPE).max:
             raise ValueError(f"pool {spec.name!r}: {self.num_pages} pages exceed int32 ids")
         self._in_use = np.zeros(self.num_pages, dtype=bool)
-        self._used = np.zeros(arena.frames, dtype=np.int32)  # pages in use, per frame
-        self._partial: dict[int, None] = {}  # held frames with a free slot, last touched last
+        self._slots = np.empty(self.num_pages, dtype=PAGE_DTYPE)  # free slots, top last
+        self._top = 0
+        self._gone = np.zeros(arena.frames, dtype=bool)  # scratch: frames going back
+        # The last claim's slots and the stack before it (see `unclaim`).
+        self._claimed = (np.empty(0, PAGE_DTYPE), np.empty(0, PAGE_DTYPE))
         self.used_pages = 0
         self.frames_held = 0
         self.storage: PoolStorage | None = None
@@ -245,67 +252,38 @@ class ArenaPool:
     @property
     def slots_free(self) -> int:
         """Free pages in frames this pool holds."""
-        return self.frames_held * self.per_frame - self.used_pages
+        return self._top
 
     @property
     def free_pages(self) -> int:
-        return self.slots_free + self.arena.free_frames * self.per_frame
+        return self._top + self.arena.free_frames * self.per_frame
 
     def can_alloc(self, n: int) -> bool:
         return 0 <= n <= self.free_pages
 
     def alloc(self, n: int) -> np.ndarray:
-        """Take `n` pages: free slots of the frames it holds first (the one a free touched
-        last first, so pages of one age share frames and drain together), then new frames.
-        Raises PoolExhausted (changing nothing) if they do not fit."""
+        """Take `n` pages: free slots of the frames it holds first (the one freed last
+        first), then new frames. Raises PoolExhausted (changing nothing) if they do not
+        fit."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        k = self.per_frame
-        spare = self.frames_held * k - self.used_pages
-        if n > spare + self.arena.free_frames * k:
+        k, top = self.per_frame, self._top
+        if n > top + self.arena.free_frames * k:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "
                                 f"{self.free_pages} free in the arena")
         if n == 0:
             return np.empty(0, PAGE_DTYPE)
-        if k == 1:  # a page is a frame
-            pages = self.arena.take(n, self.row)
-            self._used[pages] = 1
-            self._in_use[pages] = True
-            self.frames_held += n
-            self.used_pages += n
-            return pages
-        # New frames first: a fault there (the only call out) leaves everything as it was.
-        fresh = self.arena.take(-(-(n - spare) // k), self.row) if n > spare else None
-        parts, left, used, partial = [], n, self._used, self._partial
-        if partial:  # the frames touched last, as many as `n` fills, in one gather
-            rows, room = [], 0
-            for frame in reversed(partial):
-                rows.append(frame)
-                room += k - int(used[frame])
-                if room >= left:
-                    break
-            held = np.asarray(rows, dtype=np.int64)
-            which, slot = np.nonzero(~self._in_use.reshape(-1, k)[held])
-            parts.append((held[which] * k + slot)[:left].astype(PAGE_DTYPE))
-            for frame in rows[:-1]:  # filled
-                del partial[frame]
-            used[held[:-1]] = k
-            last = rows[-1]  # filled but for what `n` leaves over
-            used[last] = k - max(room - left, 0)
-            if used[last] == k:
-                del partial[last]
-            left -= min(room, left)
-        if left:
-            assert fresh is not None and fresh.size == -(-left // k)
-            frames = fresh
-            self.frames_held += frames.size
-            used[frames] = k
-            if left % k:  # the last one is cut short
-                used[frames[-1]] = left % k
-                partial[int(frames[-1])] = None
-            parts.append((frames[:, None].astype(np.int64) * k
-                          + np.arange(k)).ravel()[:left].astype(PAGE_DTYPE))
-        pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if n <= top:
+            pages = self._slots[top - n:top][::-1].copy()
+            self._top = top - n
+        else:  # new frames: a fault there (the only call out) leaves everything as it was
+            fresh = self.arena.take(-(-(n - top) // k), self.row)
+            slots = (fresh[:, None] * k + np.arange(k, dtype=PAGE_DTYPE)).ravel()
+            pages = np.concatenate((self._slots[:top][::-1], slots[:n - top]))
+            rest = slots[n - top:]  # the last new frame's slots it leaves free
+            self._slots[:rest.size] = rest[::-1]
+            self._top = rest.size
+            self.frames_held += fresh.size
         self._in_use[pages] = True
         self.used_pages += n
         return pages
@@ -317,29 +295,50 @@ class ArenaPool:
         if pages.size == 0:
             return
         k = self.per_frame
-        if k == 1:
+        if k == 1:  # a page is a frame
             self.arena.give(pages.copy())  # first: a fault there leaves everything as it was
             self._in_use[pages] = False
-            self._used[pages] = 0
             self.frames_held -= pages.size
             self.used_pages -= pages.size
             return
-        frames, counts = _tally(pages // k)
-        used = self._used
-        was_full = used[frames] == k
-        left = used[frames] - counts
-        empty = frames[left == 0]
-        if empty.size:  # first: a fault there leaves everything as it was
-            self.arena.give(empty.astype(PAGE_DTYPE))
-        self._in_use[pages] = False
-        used[frames] = left
-        partial = self._partial
-        for frame in frames[~was_full].tolist():  # were partial: out (back in below if so)
-            del partial[frame]
-        for frame in frames[left > 0].tolist():
-            partial[frame] = None  # touched last: taken from first
-        self.frames_held -= empty.size
+        in_use = self._in_use
+        in_use[pages] = False
+        frames = pages // k
+        empty = ~in_use.reshape(-1, k)[frames].any(axis=1)
+        if not empty.any():
+            self._push(pages)
+        else:
+            gone = np.unique(frames[empty])
+            try:
+                self.arena.give(gone)
+            except BaseException:  # as it was
+                in_use[pages] = True
+                raise
+            mark = self._gone
+            mark[gone] = True
+            slots = self._slots[:self._top]
+            kept = slots[~mark[slots // k]]
+            mark[gone] = False
+            self._top = 0
+            self._push(kept)
+            self._push(pages[~empty])
+            self.frames_held -= gone.size
         self.used_pages -= pages.size
+
+    def _push(self, slots: np.ndarray) -> None:
+        top = self._top
+        self._slots[top:top + slots.size] = slots
+        self._top = top + slots.size
+
+    def _free_per_frame(self, exclude: Collection[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The held frames with a free slot (but `exclude`) and how many each has free."""
+        free = np.bincount(self._slots[:self._top] // self.per_frame,
+                           minlength=self.arena.frames)
+        if exclude:
+            out = np.fromiter(exclude, np.int64, len(exclude))
+            free[out[(out >= 0) & (out < free.size)]] = 0
+        frames = np.flatnonzero(free)
+        return frames, free[frames]
 
     def sparse(self, limit: int, exclude: Collection[int] = ()) -> np.ndarray:
         """The pages in use in up to `limit` of the emptiest frames this pool holds, but
@@ -347,15 +346,12 @@ class ArenaPool:
         too): what compaction moves so those frames go back to the arena (none while its
         free slots make no whole frame)."""
         k = self.per_frame
-        if k == 1 or limit < 1 or self.slots_free < k:
+        if k == 1 or limit < 1 or self._top < k:
             return np.empty(0, PAGE_DTYPE)
-        frames = np.fromiter(self._partial, np.int64, len(self._partial))
-        if exclude:
-            frames = frames[~np.isin(frames, np.fromiter(exclude, np.int64, len(exclude)))]
-        used = self._used[frames]
-        order = np.argsort(used, kind="stable")
-        frames, used = frames[order], used[order]
-        room = self.slots_free - np.cumsum(k - used)  # free slots past the m emptiest
+        frames, free = self._free_per_frame(exclude)
+        order = np.argsort(-free, kind="stable")  # emptiest first
+        frames, used = frames[order], k - free[order]
+        room = self._top - np.cumsum(free[order])  # free slots past the m emptiest
         m = min(limit, int(np.count_nonzero(np.cumsum(used) <= room)))
         which, slot = np.nonzero(self._in_use.reshape(-1, k)[frames[:m]])
         return (frames[:m][which] * k + slot).astype(PAGE_DTYPE)
@@ -369,27 +365,53 @@ class ArenaPool:
         k = self.per_frame
         if old.size == 0:
             return old.copy()
-        away = set((old // k).tolist())
-        frames = np.fromiter((f for f in self._partial if f not in away), np.int64)
-        frames = frames[np.argsort(self._used[frames], kind="stable")[::-1]]
-        which, slot = np.nonzero(~self._in_use.reshape(-1, k)[frames])
-        if which.size < old.size:
+        slots = self._slots[:self._top]
+        frames, free = self._free_per_frame((old // k).tolist())
+        rank = np.full(self.arena.frames, -1, dtype=np.int64)  # fullest frame first
+        rank[frames[np.argsort(free, kind="stable")]] = np.arange(frames.size)
+        at = rank[slots // k]
+        fits = np.flatnonzero(at >= 0)
+        if fits.size < old.size:
             raise ValueError(f"pool {self.name!r}: {old.size} pages to move, "
-                             f"{which.size} free slots elsewhere")
-        new = (frames[which[:old.size]] * k + slot[:old.size]).astype(PAGE_DTYPE)
-        into, counts = _tally(new // k)
+                             f"{fits.size} free slots elsewhere")
+        take = fits[np.argsort(at[fits], kind="stable")[:old.size]]
+        new = slots[take].copy()
+        self._claimed = (new, slots.copy())  # for `unclaim`
+        left = np.ones(slots.size, dtype=bool)
+        left[take] = False
+        rest = slots[left]
+        self._slots[:rest.size] = rest
+        self._top = rest.size
         self._in_use[new] = True
-        self._used[into] += counts
-        for frame in into[self._used[into] == k].tolist():
-            del self._partial[frame]
         self.used_pages += new.size
         return new
+
+    def unclaim(self, new: np.ndarray) -> None:
+        """Undo the last `claim` (it returned `new`; nothing allocated or freed since): its
+        slots go back where they were in the stack, so the next allocations take what they
+        would have. ValueError (changing nothing) for anything else."""
+        claimed, stack = self._claimed
+        new = np.asarray(new)
+        if (new.shape != claimed.shape or not np.array_equal(new, claimed)
+                or not self._in_use[claimed].all()
+                or stack.size != self._top + claimed.size):
+            raise ValueError(f"pool {self.name!r}: unclaim of what the last claim did not "
+                             f"return, or after other changes")
+        self._in_use[claimed] = False
+        self._slots[:stack.size] = stack
+        self._top = stack.size
+        self.used_pages -= claimed.size
+        self._claimed = (np.empty(0, PAGE_DTYPE), np.empty(0, PAGE_DTYPE))
 
     def move(self, old: np.ndarray) -> np.ndarray:
         """`claim` slots for pages in use `old` and free `old`: their new ids, in order.
         Frames left empty go back to the arena."""
         new = self.claim(old)
-        self.free(old)
+        try:
+            self.free(old)
+        except BaseException:  # the claim undone: `old` keeps its slots
+            self.unclaim(new)
+            raise
         return new
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
@@ -397,29 +419,21 @@ class ArenaPool:
 
     def check_integrity(self) -> None:
         k = self.per_frame
-        per_frame = self._in_use.reshape(-1, k).sum(axis=1)
-        if not np.array_equal(per_frame, self._used):
-            raise AssertionError(f"pool {self.name!r}: per-frame counts disagree with pages")
         mine = self.arena.owner == self.row
-        if (self._used[~mine] != 0).any():
+        used = self._in_use.reshape(-1, k).sum(axis=1)
+        if (used[~mine] != 0).any():
             raise AssertionError(f"pool {self.name!r}: a page in use in a frame it does not "
                                  f"hold")
-        if (self._used[mine] == 0).any():
+        if (used[mine] == 0).any():
             raise AssertionError(f"pool {self.name!r}: holds an empty frame")
-        if int(mine.sum()) != self.frames_held or int(self._used.sum()) != self.used_pages:
+        if int(mine.sum()) != self.frames_held or int(used.sum()) != self.used_pages:
             raise AssertionError(f"pool {self.name!r}: frame or page counts disagree")
-        partial = np.flatnonzero(mine & (self._used < k))
-        if sorted(self._partial) != partial.tolist():
-            raise AssertionError(f"pool {self.name!r}: the frames with a free slot are "
-                                 f"{partial.tolist()[:8]}, listed {sorted(self._partial)[:8]}")
-
-
-def _tally(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct frames and how often each occurs (a Counter for the few pages of one
-    step, a sort for the many of an eviction)."""
-    if frames.size > 64:
-        distinct, counts = np.unique(frames, return_counts=True)
-        return distinct, counts.astype(np.int32)
-    tally = Counter(frames.tolist())
-    return (np.fromiter(tally.keys(), np.int64, len(tally)),
-            np.fromiter(tally.values(), np.int32, len(tally)))
+        slots = self._slots[:self._top]
+        if ((slots < 0) | (slots >= self.num_pages)).any():
+            raise AssertionError(f"pool {self.name!r}: a free slot outside the pool")
+        if (np.unique(slots).size != slots.size or self._in_use[slots].any()
+                or not mine[slots // k].all()):
+            raise AssertionError(f"pool {self.name!r}: the free slots are inconsistent")
+        if slots.size != self.frames_held * k - self.used_pages:
+            raise AssertionError(f"pool {self.name!r}: {self.frames_held * k - self.used_pages}"
+                                 f" free slots in its frames, {slots.size} listed")

@@ -3,7 +3,8 @@
 The tree records where each page lives (ShadowRadix, `host` shadow); this class
 decides what to copy and hands the copies to a Mover, which runs them off the
 scheduler's thread in submission order. Books change at submit time: a page
-filled in the tree may still be in flight. So each device page remembers the
+filled in the tree may still be in flight. So each device page (each frame, over
+an arena: its bytes serve another pool's pages once it goes back) remembers the
 last copy that reads or writes it (`busy`), a request waits for the newest
 ticket among the device pages it will touch (`ready_ticket`), and the scheduler
 runs it only once that ticket is done. Reusing a page is safe: a page freed
@@ -67,9 +68,15 @@ class HostTier:
         # Bytes submitted per direction: "host->device" (load-back), "device->host" (backup).
         self.bytes: Counter[str] = Counter()
         self._page_bytes = cache.layout.page_bytes()
-        # Per device page, the last ticket whose copy reads or writes it (0: none).
+        # Per device page, the last ticket whose copy reads or writes it (0: none). Over an
+        # arena, per frame instead: a frame's bytes pass from pool to pool as frames are
+        # given back and taken, so a page of one pool may sit where a copy still reads a
+        # page of another (`cache.arena_frames_of`).
+        arena = cache.arena
+        self._frame_busy = np.zeros(arena.frames if arena else 0, np.int64)
         self.busy = {name: np.zeros(pool.num_pages, np.int64)
-                     for name, pool in cache.pools.items()}
+                     for name, pool in cache.pools.items()
+                     if arena is None or name not in arena.names}
         # Per ticket not known to have landed, the pages it writes (forgotten if it fails).
         self._writes: dict[int, Written] = {}
 
@@ -157,7 +164,8 @@ class HostTier:
         ticket = self.mover.submit(copies)
         self._writes[ticket] = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
         for name, tier, src, dst in copies:
-            self.busy[name][src if tier == DEVICE else dst] = ticket
+            busy, cells = self._busy(name, src if tier == DEVICE else dst)
+            busy[cells] = ticket
             direction = "device->host" if tier == DEVICE else "host->device"
             self.bytes[direction] += self._page_bytes[name] * len(src)
         return ticket
@@ -170,8 +178,17 @@ class HostTier:
             ids = np.asarray(ids)
             ids = ids[ids >= 0]
             if ids.size:
-                newest = max(newest, int(self.busy[name][ids].max()))
+                busy, cells = self._busy(name, ids)
+                newest = max(newest, int(busy[cells].max()))
         return newest
+
+    def _busy(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where the tickets of device pages `ids` of pool `name` are kept: the array and
+        its cells (their frames, over an arena)."""
+        frames = self.cache.arena_frames_of(name, ids)
+        if frames is None:
+            return self.busy[name], np.asarray(ids)
+        return self._frame_busy, frames
 
     # ------------------------------------------------------- failed copies
     def recover(self, ticket: int) -> dict[str, np.ndarray]:

@@ -215,8 +215,9 @@ class CacheManager:
         """Match `tokens`, lock the prefix, load back what the host holds, write stored
         pages that extend the match (`fetched`, L3 -> L1), and allocate pages for a first
         chunk of up to `chunk` tokens past the cached prefix (within `length`, default
-        len(tokens)). None, changing nothing, when those pages do not fit even after
-        evicting every unlocked page. `landed`: pages of the match that came from storage
+        len(tokens)). None, changing nothing (but the tail the match prunes: see
+        `PrefixCache.match`), when those pages do not fit even after evicting every
+        unlocked page. `landed`: pages of the match that came from storage
         through the host (counted as storage hits). `fit`: cut the first chunk so its pages
         fit in every window and checkpoint pool on their own (as `chunk_end`). `prompt`:
         where the request's prompt ends (default len(tokens); a preempted request comes

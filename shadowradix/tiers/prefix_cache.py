@@ -102,11 +102,11 @@ class PrefixCache:
                 raise ValueError(f"the arena holds pools {sorted(arena.names)}; the device "
                                  f"pools are {sorted(on_device)}")
             self._arena_pools = arena.pools()
-            self._owners = self.tree.track_owners()
             apart = {n: pages if isinstance(pages, int) else pages[n] for n in in_host_memory}
             self.pools = {**_pools(layout, apart, device, in_host_memory=in_host_memory),
                           **self._arena_pools} if apart else dict(self._arena_pools)
             self.pools = {n: self.pools[n] for n in layout.pool_names}
+            self._owners = self.tree.track_owners({n: p.num_pages for n, p in self.pools.items()})
             # Bytes an eviction counts: a pool in host memory frees no frame.
             self._arena_row_bytes = [b if p.name in self._arena_pools else 0
                                      for p, b in zip(layout.pools, self._row_bytes, strict=True)]
@@ -198,6 +198,14 @@ class PrefixCache:
         fb = self.arena.plan.frame_bytes
         return {**{n: p.frames_held * fb for n, p in self._arena_pools.items()},
                 "free": self.arena.free_frames * fb}
+
+    def arena_frames_of(self, pool: str, ids: np.ndarray) -> np.ndarray | None:
+        """The arena frames that device pages `ids` of `pool` lie in (their bytes: pages of
+        other pools take a frame after it goes back); None for a pool not in an arena."""
+        arena_pool = self._arena_pools.get(pool)
+        if arena_pool is None:
+            return None
+        return np.asarray(ids, dtype=np.int64) // arena_pool.per_frame
 
     def fits_arena(self, pages: Mapping[str, int], spread: Collection[str] = ()) -> bool:
         """Whether `pages` (per pool) fit in an empty cache: in the arena's frames, and in
@@ -317,7 +325,7 @@ class PrefixCache:
         except BaseException:  # back to `pages`, which still hold the bytes
             if renamed:
                 self._owners.relocate(row, owners, pages)
-            pool.free(new)
+            pool.unclaim(new)
             raise
         self._unreleased.append((DEVICE, name, pages, False))
         self.moved[name] += int(pages.size)

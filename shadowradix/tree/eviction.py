@@ -269,15 +269,20 @@ class Eviction:
                    freed: Freed, room: SpillRoom | None) -> int:
         heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
-        for node in heap.oldest(lambda n: self._has(n, tier, row, kept)):
-            mask = self._free_cells(node, tier, row, kept)
+        for node in heap.oldest(_any_node):
+            present = node.slot(tier)[row] >= 0  # pages of the kind: else it leaves the heap
+            present &= node.keep[row] if kept else ~node.keep[row]
+            if not np.count_nonzero(present):
+                continue
+            locked = node.window_lock > 0
+            mask = present & ~locked
             if np.count_nonzero(mask):
                 if tier == DEVICE and room is not None:
                     self._spill(node, row, mask, room)
                 got += self._let_go(node, tier, row, mask, freed)
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
-            if self._locked_rest(node, tier, row, kept):
+            if node.alive and np.count_nonzero(present & locked):  # what a lock keeps
                 skipped.append(node)
             if got >= want:
                 break
@@ -438,6 +443,11 @@ class Eviction:
             for row in self.short_lived_rows:
                 self._loose[tier][row].add(node)
                 self._kept[tier][row].add(node)
+
+
+def _any_node(node: Node) -> bool:
+    """A heap's `wanted` for a caller that judges each node itself."""
+    return True
 
 
 class _Walk:

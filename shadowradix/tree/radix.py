@@ -18,7 +18,7 @@ the host pages back and `fill`ed the device shadow.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -94,13 +94,13 @@ class ShadowRadix(Eviction):
         self.owners: PageOwners | None = None
         self._init_eviction()
 
-    def track_owners(self) -> PageOwners:
-        """Start remembering which node holds each device page (tree/relocate.py); call it
-        on an empty tree."""
+    def track_owners(self, sizes: Mapping[str, int]) -> PageOwners:
+        """Start remembering which node holds each device page (tree/relocate.py) of pools
+        of `sizes` pages (by name); call it on an empty tree."""
         if self.root.children:
             raise ValueError("track_owners needs an empty tree")
         if self.owners is None:
-            self.owners = PageOwners(self.n_pools)
+            self.owners = PageOwners([sizes[p.name] for p in self.layout.pools])
         return self.owners
 
     # ------------------------------------------------------------------ match

@@ -14,82 +14,89 @@ import numpy as np
 
 from shadowradix.tree.node import PAGE, Node
 
-Owners = list[tuple[Node, np.ndarray, np.ndarray]]  # node, its columns, their index in pages
+# Per movable page: its node, its column there, its index in the pages asked about.
+Owners = tuple[list[Node], np.ndarray, np.ndarray]
 
 
 class PageOwners:
-    """Device page id -> the node that took it last, per pool row."""
+    """Device page id -> the node that took it last and the page's position in the
+    sequence (a node's column is the position less its start_page, which a split keeps:
+    the tail keeps its identity, the head is noted anew), per pool row, for `sizes[row]`
+    ids. An id out of range is never noted (no pool of that size handed it out), so such
+    a page reads as not movable."""
 
-    def __init__(self, n_pools: int) -> None:
-        self._rows = [np.empty(0, dtype=object) for _ in range(n_pools)]
+    def __init__(self, sizes: list[int]) -> None:
+        self._nodes = [np.full(n, None, dtype=object) for n in sizes]
+        self._pos = [np.zeros(n, dtype=np.int64) for n in sizes]
 
     def note(self, node: Node, table: np.ndarray) -> None:
         """`node` now holds the device pages of `table` ([pools, n], -1: none)."""
-        for row in range(len(self._rows)):
+        for row in range(len(self._nodes)):
             ids = table[row]
-            self._set(row, ids[ids >= 0], node)
+            cols = np.flatnonzero((ids >= 0) & (ids < self._nodes[row].size))
+            if cols.size:
+                self._set(row, ids[cols], cols, node)
 
-    def _set(self, row: int, ids: np.ndarray, node: Node) -> None:
-        if ids.size:
-            self._grow(row, int(ids.max()))
-            self._rows[row][ids] = node
-
-    def _grow(self, row: int, top: int) -> None:
-        """Room in row `row` for page id `top`."""
-        owner = self._rows[row]
-        if top >= owner.size:
-            grown = np.empty(max(top + 1, 2 * owner.size), dtype=object)
-            grown[:owner.size] = owner
-            self._rows[row] = grown
+    def _set(self, row: int, ids: np.ndarray, cols: np.ndarray, node: Node) -> None:
+        self._nodes[row][ids] = node
+        self._pos[row][ids] = cols + node.start_page
 
     def holds(self, node: Node) -> bool:
         """Whether the map names `node` for every device page it holds (integrity)."""
-        for row, owner in enumerate(self._rows):
+        for row, owner in enumerate(self._nodes):
             ids = node.pages[row]
-            ids = ids[ids >= 0]
-            if ids.size and (int(ids.max()) >= owner.size
-                             or any(o is not node for o in owner[ids].tolist())):
+            cols = np.flatnonzero(ids >= 0)
+            ids = ids[cols]
+            if not ids.size:
+                continue
+            if int(ids.max()) >= owner.size or any(o is not node for o in owner[ids].tolist()):
+                return False
+            if not np.array_equal(self._pos[row][ids], cols + node.start_page):
                 return False
         return True
 
     def movable(self, row: int, pages: np.ndarray) -> tuple[np.ndarray, Owners]:
         """Which of `pages` (device ids of pool row `row`) the tree holds in a node no lock
-        holds, and where: the mask over `pages`, and per such node its columns holding
-        them and their index into `pages`."""
+        holds, and where: the mask over `pages`, and for each such page its node, column,
+        index into `pages` and position. One look per page (a scalar read of the node's
+        table: pages of one node are few, so per-node array work would cost more)."""
         pages = np.asarray(pages, dtype=PAGE)
         ok = np.zeros(pages.size, dtype=bool)
-        owner = self._rows[row]
-        inside = np.flatnonzero(pages < owner.size)
-        groups: dict[int, tuple[Node, list[int]]] = {}
-        for i, node in zip(inside.tolist(), owner[pages[inside]].tolist(), strict=True):
-            if node is not None and node.alive and not node.full_lock:
-                group = groups.get(node.id)
-                if group is None:
-                    groups[node.id] = (node, [i])
-                else:
-                    group[1].append(i)
-        owners: Owners = []
-        for node, where in groups.values():
-            at = np.asarray(where)
-            ids = node.pages[row]
-            order = np.argsort(ids, kind="stable")
-            cols = order[np.minimum(np.searchsorted(ids[order], pages[at]), ids.size - 1)]
-            held = (ids[cols] == pages[at]) & (node.window_lock[cols] == 0)
-            if np.count_nonzero(held):
-                ok[at[held]] = True
-                owners.append((node, cols[held], at[held]))
-        return ok, owners
+        owner = self._nodes[row]
+        inside = np.flatnonzero((pages >= 0) & (pages < owner.size))
+        ids = pages[inside]
+        nodes: list[Node] = []
+        cols: list[int] = []
+        at: list[int] = []
+        for i, node, page, pos in zip(inside.tolist(), owner[ids].tolist(), ids.tolist(),
+                                      self._pos[row][ids].tolist(), strict=True):
+            if node is None or not node.alive or node.full_lock:
+                continue
+            col = pos - node.start_page
+            if 0 <= col < node.pages.shape[1] and node.pages[row, col] == page and (
+                    node.window_lock[col] == 0):
+                nodes.append(node)
+                cols.append(col)
+                at.append(i)
+        where = np.asarray(at, dtype=np.int64)
+        ok[where] = True
+        return ok, (nodes, np.asarray(cols, dtype=np.int64), where)
 
     def relocate(self, row: int, owners: Owners, new: np.ndarray) -> None:
         """Give each owned page its new id, `new[i]` for `pages[i]` where `new[i] >= 0`
         (`owners` from `movable` on `pages`, the tree unchanged since; `new` = `pages`
-        afterwards undoes it). The tree's counts do not change. The map grows first, so
-        nothing after can fail halfway."""
-        if new.size:
-            self._grow(row, int(new.max()))
-        for node, cols, at in owners:
-            to = new[at]
-            move = to >= 0
-            if np.count_nonzero(move):
-                node.pages[row, cols[move]] = to[move]
-                self._set(row, to[move], node)
+        afterwards undoes it). The tree's counts do not change. Every id is checked first,
+        so nothing after can fail halfway."""
+        nodes, cols, at = owners
+        to = new[at] if at.size else np.empty(0, PAGE)
+        if to.size and int(to.max()) >= self._nodes[row].size:
+            raise ValueError(f"pool row {row}: page id {int(to.max())} out of range")
+        held = np.empty(len(nodes), dtype=object)
+        held[:] = nodes
+        starts = np.fromiter((n.start_page for n in nodes), np.int64, len(nodes))
+        for node, col, page in zip(nodes, cols.tolist(), to.tolist(), strict=True):
+            if page >= 0:
+                node.pages[row, col] = page
+        move = to >= 0
+        self._nodes[row][to[move]] = held[move]
+        self._pos[row][to[move]] = cols[move] + starts[move]
