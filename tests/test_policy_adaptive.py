@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -151,9 +152,10 @@ def test_a_prompt_length_that_is_not_a_token_count_is_refused(prompt: object) ->
     assert cache.tree.stats().as_dict()["nodes"] == 0  # nothing inserted
 
 
-def _prompt_only_chat() -> list:
+@functools.cache
+def _prompt_only_chat() -> tuple:
     """1,500 conversations hashed as prompts only in 512-token blocks (a next turn matches
-    the previous prompt up to its last full block)."""
+    the previous prompt up to its last full block). Built once (a tuple: nobody changes it)."""
     from dataclasses import replace
 
     from shadowradix.sim import synth
@@ -163,7 +165,15 @@ def _prompt_only_chat() -> list:
         system_tokens=synth.Lengths(1000, 1.0), prompt_tokens=synth.Lengths(600, 1.0),
         reply_tokens=synth.Lengths(500, 0.8), rate=1.0, think_time=60.0,
         max_context=131072, block_size=512, seed=4)
-    return [replace(r, sequence_hash_ids=None) for r in synth.synth_trace(shape)]
+    return tuple(replace(r, sequence_hash_ids=None) for r in synth.synth_trace(shape))
+
+
+@functools.cache
+def _prompt_only_chat_hit_rate(policy: str, gb: float) -> float:
+    """The hit rate of `policy` on the prompt-only chat at DeepSeek-V4-Pro scale (fp8) and
+    `gb` GB, simulated once per (policy, gb): two tests compare against no shadows at 256."""
+    return simulate(_prompt_only_chat(), deepseek_v4_pro(dtype="fp8"), policy_choice(policy),
+                    gb)["hit_rate"]
 
 
 def test_the_default_equals_a_plain_radix_cache_where_a_prompt_only_chat_fits():
@@ -172,10 +182,9 @@ def test_the_default_equals_a_plain_radix_cache_where_a_prompt_only_chat_fits():
     prompt's end, wherever the reply ended). Where memory holds the working set the
     default hit 0.7 points less than no shadows at 256 GB before it learned offsets from
     prompt ends (76.24 vs 76.95); now it equals it within 0.3 points."""
-    trace, lay = _prompt_only_chat(), deepseek_v4_pro(dtype="fp8")
     for gb in (128, 256):
-        default = simulate(trace, lay, policy_choice("shadowradix"), gb)["hit_rate"]
-        plain = simulate(trace, lay, policy_choice("no-shadows"), gb)["hit_rate"]
+        default = _prompt_only_chat_hit_rate("shadowradix", gb)
+        plain = _prompt_only_chat_hit_rate("no-shadows", gb)
         assert 100 * (default - plain) >= -0.3, (gb, default, plain)
 
 
@@ -290,8 +299,7 @@ def test_where_memory_holds_the_working_set_adaptive_lifetime_equals_a_plain_rad
     memory holds the working set; the default drops every loose resume point first and
     hits 0.7 points less than no shadows (76.24 vs 76.95), and 0.2 less at 192 GB. It
     keeps them while they earn their bytes under `adaptive-lifetime` (tree/lifetime.py)."""
-    trace, lay = _prompt_only_chat(), deepseek_v4_pro(dtype="fp8")
     for gb, slack in ((192, 0.0), (256, 0.3)):
-        default = simulate(trace, lay, policy_choice("adaptive-lifetime"), gb)["hit_rate"]
-        plain = simulate(trace, lay, policy_choice("no-shadows"), gb)["hit_rate"]
+        default = _prompt_only_chat_hit_rate("adaptive-lifetime", gb)
+        plain = _prompt_only_chat_hit_rate("no-shadows", gb)
         assert 100 * (default - plain) >= -slack, (gb, default, plain)

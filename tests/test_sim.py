@@ -1,5 +1,6 @@
 """The simulator: bound equality, tiers, sizing, trace errors, the command line."""
 
+import copy
 import json
 
 import numpy as np
@@ -18,6 +19,22 @@ from shadowradix.sim.simulate import (
 from shadowradix.sim.sizing import GB, budget_bytes, pages_for_budget
 
 
+@pytest.fixture(scope="module")
+def simulated(conversation):
+    """`simulate` over the conversation trace with each distinct (layout, policy choice,
+    device GB, keywords) run once a module: several tests read the same run. Each call
+    returns a copy of the record of its own."""
+    runs: dict = {}
+
+    def run(layout, choice, device_gb, **kw):  # type: ignore[no-untyped-def]
+        key = (layout, choice, device_gb, tuple(sorted(kw.items())))
+        if key not in runs:
+            runs[key] = simulate(conversation, layout, choice, device_gb, **kw)
+        return copy.deepcopy(runs[key])
+
+    return run
+
+
 @pytest.mark.parametrize("policy", ["shadowradix", "no-shadows"])
 @pytest.mark.parametrize("trace", ["conversation", "synthetic"])
 def test_unbounded_hit_rate_equals_the_bound_exactly(policy, trace, request):
@@ -33,8 +50,8 @@ def test_unbounded_full_attention_page_128_equals_the_bound(synthetic):
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_bounded_runs_stay_under_the_bound_and_tiers_sum(policy, conversation):
-    r = simulate(conversation, deepseek_v4_pro(), policy_choice(policy, checkpoint_every=4), 20.0)
+def test_bounded_runs_stay_under_the_bound_and_tiers_sum(policy, simulated):
+    r = simulated(deepseek_v4_pro(), policy_choice(policy, checkpoint_every=4), 20.0)
     assert 0 < r["hit_rate"] <= r["bound_hit_rate"]
     assert sum(r["cached_by_tier"].values()) == r["cached_tokens"]
     assert r["cached_tokens"] + r["computed_tokens"] == r["prompt_tokens"]
@@ -42,10 +59,10 @@ def test_bounded_runs_stay_under_the_bound_and_tiers_sum(policy, conversation):
     assert all(r["peak_pages"][n] <= r["pool_pages"][n] for n in r["pool_pages"])
 
 
-def test_shadows_beat_a_conventional_cache_at_equal_bytes(conversation):
+def test_shadows_beat_a_conventional_cache_at_equal_bytes(simulated):
     lay = deepseek_v4_flash()
-    ours = simulate(conversation, lay, policy_choice("shadowradix"), 20.0)
-    conventional = simulate(conversation, lay, policy_choice("no-shadows"), 20.0)
+    ours = simulated(lay, policy_choice("shadowradix"), 20.0)
+    conventional = simulated(lay, policy_choice("no-shadows"), 20.0)
     assert ours["hit_rate"] > conventional["hit_rate"]
 
 
@@ -139,13 +156,13 @@ def test_cli_simulate_with_host_and_storage_tiers(tmp_path, capsys):
 @pytest.mark.parametrize("policy,write_policy", [("shadowradix", "write_through"),
                                                  ("no-shadows", "write_back"),
                                                  ("periodic", "write_through")])
-def test_an_unbounded_host_loses_nothing_the_device_drops(policy, write_policy, conversation):
+def test_an_unbounded_host_loses_nothing_the_device_drops(policy, write_policy, simulated):
     """A small device over an unbounded host tier reaches the infinite-cache bound exactly:
     every page the device evicts was backed up (write-through) or spilled (write-back)
     and comes back."""
     lay = deepseek_v4_flash()
-    alone = simulate(conversation, lay, policy_choice(policy), 8.0)
-    tiered = simulate(conversation, lay, policy_choice(policy), 8.0, host_gb=1e4,
+    alone = simulated(lay, policy_choice(policy), 8.0)
+    tiered = simulated(lay, policy_choice(policy), 8.0, host_gb=1e4,
                       write_policy=write_policy)
     assert alone["hit_rate"] < 0.5 * alone["bound_hit_rate"]  # the device alone is too small
     assert tiered["refused"] == 0
@@ -154,21 +171,21 @@ def test_an_unbounded_host_loses_nothing_the_device_drops(policy, write_policy, 
     assert tiered["bytes_moved"]["host->device"] > 0 and tiered["bytes_moved"]["device->host"] > 0
 
 
-def test_a_bounded_host_helps_and_its_books_balance(conversation):
+def test_a_bounded_host_helps_and_its_books_balance(simulated):
     lay = deepseek_v4_pro()
-    alone = simulate(conversation, lay, policy_choice("shadowradix"), 20.0)
-    tiered = simulate(conversation, lay, policy_choice("shadowradix"), 20.0, host_gb=60.0)
+    alone = simulated(lay, policy_choice("shadowradix"), 20.0)
+    tiered = simulated(lay, policy_choice("shadowradix"), 20.0, host_gb=60.0)
     assert alone["hit_rate"] < tiered["hit_rate"] <= tiered["bound_hit_rate"]
     assert sum(tiered["cached_by_tier"].values()) == tiered["cached_tokens"]
     assert tiered["bytes_moved"]["host->device"] > 0 and tiered["host_gb"] == 60.0
 
 
 @pytest.mark.parametrize("host_gb", [0.0, 4.0])
-def test_an_unbounded_store_brings_back_everything(host_gb, conversation):
+def test_an_unbounded_store_brings_back_everything(host_gb, simulated):
     """Write-through to an unbounded L3 and a small device (with or without a host tier
     smaller than the device): a request reads back from storage what the tiers above
     lost, so the hit rate is the infinite-cache bound exactly."""
-    r = simulate(conversation, deepseek_v4_flash(), policy_choice("shadowradix"), 8.0,
+    r = simulated(deepseek_v4_flash(), policy_choice("shadowradix"), 8.0,
                  host_gb=host_gb, storage_gb=float("inf"))
     assert r["refused"] == 0
     assert r["hit_rate"] == r["bound_hit_rate"]
@@ -178,9 +195,9 @@ def test_an_unbounded_store_brings_back_everything(host_gb, conversation):
     assert moved["device->storage"] > 0 and moved["storage->host"] + moved["storage->device"] > 0
 
 
-def test_a_capped_store_evicts_and_helps_less(conversation):
+def test_a_capped_store_evicts_and_helps_less(simulated):
     lay = deepseek_v4_flash()
-    small = simulate(conversation, lay, policy_choice("shadowradix"), 8.0, storage_gb=20.0)
-    big = simulate(conversation, lay, policy_choice("shadowradix"), 8.0, storage_gb=2000.0)
-    alone = simulate(conversation, lay, policy_choice("shadowradix"), 8.0)
+    small = simulated(lay, policy_choice("shadowradix"), 8.0, storage_gb=20.0)
+    big = simulated(lay, policy_choice("shadowradix"), 8.0, storage_gb=2000.0)
+    alone = simulated(lay, policy_choice("shadowradix"), 8.0)
     assert alone["hit_rate"] <= small["hit_rate"] < big["hit_rate"] <= big["bound_hit_rate"]

@@ -195,7 +195,7 @@ class SmallHostMachine(TieredMachine):
     host_pages = 6
 
 
-TestTiered = _test_case(TieredMachine, runs=120)
-TestWriteBack = _test_case(WriteBackMachine, runs=60)
-TestSelective = _test_case(SelectiveMachine, runs=40)
-TestSmallHost = _test_case(SmallHostMachine, runs=40)
+TestTiered = _test_case(TieredMachine, runs=60)
+TestWriteBack = _test_case(WriteBackMachine, runs=30)
+TestSelective = _test_case(SelectiveMachine, runs=20)
+TestSmallHost = _test_case(SmallHostMachine, runs=20)
