@@ -21,25 +21,38 @@ Owners = tuple[list[Node], np.ndarray, np.ndarray]
 class PageOwners:
     """Device page id -> the node that took it last and the page's position in the
     sequence (a node's column is the position less its start_page, which a split keeps:
-    the tail keeps its identity, the head is noted anew), per pool row, for `sizes[row]`
-    ids. An id out of range is never noted (no pool of that size handed it out), so such
-    a page reads as not movable."""
+    the tail keeps its identity, the head is noted anew), per pool row, for ids below
+    `sizes[row]`. An id out of range is never noted (no pool of that size handed it out),
+    so such a page reads as not movable."""
 
     def __init__(self, sizes: list[int]) -> None:
-        self._nodes = [np.full(n, None, dtype=object) for n in sizes]
-        self._pos = [np.zeros(n, dtype=np.int64) for n in sizes]
+        self._sizes = sizes
+        # Grown as ids are noted (a pool of many small pages rarely uses its whole range).
+        self._nodes = [np.full(min(n, 1024), None, dtype=object) for n in sizes]
+        self._pos = [np.zeros(min(n, 1024), dtype=np.int32) for n in sizes]
 
     def note(self, node: Node, table: np.ndarray) -> None:
         """`node` now holds the device pages of `table` ([pools, n], -1: none)."""
-        for row in range(len(self._nodes)):
+        for row, size in enumerate(self._sizes):
             ids = table[row]
-            cols = np.flatnonzero((ids >= 0) & (ids < self._nodes[row].size))
+            cols = np.flatnonzero((ids >= 0) & (ids < size))
             if cols.size:
                 self._set(row, ids[cols], cols, node)
 
     def _set(self, row: int, ids: np.ndarray, cols: np.ndarray, node: Node) -> None:
+        top = int(ids.max())
+        if top >= self._nodes[row].size:
+            self._grow(row, top)
         self._nodes[row][ids] = node
         self._pos[row][ids] = cols + node.start_page
+
+    def _grow(self, row: int, top: int) -> None:
+        """Room in row `row` for id `top` (< its size)."""
+        n = min(max(top + 1, 2 * self._nodes[row].size), self._sizes[row])
+        nodes, pos = np.full(n, None, dtype=object), np.zeros(n, dtype=np.int32)
+        nodes[:self._nodes[row].size] = self._nodes[row]
+        pos[:self._pos[row].size] = self._pos[row]
+        self._nodes[row], self._pos[row] = nodes, pos
 
     def holds(self, node: Node) -> bool:
         """Whether the map names `node` for every device page it holds (integrity)."""
@@ -89,8 +102,10 @@ class PageOwners:
         so nothing after can fail halfway."""
         nodes, cols, at = owners
         to = new[at] if at.size else np.empty(0, PAGE)
-        if to.size and int(to.max()) >= self._nodes[row].size:
+        if to.size and int(to.max()) >= self._sizes[row]:
             raise ValueError(f"pool row {row}: page id {int(to.max())} out of range")
+        if to.size and int(to.max()) >= self._nodes[row].size:
+            self._grow(row, int(to.max()))
         held = np.empty(len(nodes), dtype=object)
         held[:] = nodes
         starts = np.fromiter((n.start_page for n in nodes), np.int64, len(nodes))
