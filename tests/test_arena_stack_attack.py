@@ -271,7 +271,7 @@ class ArenaStackMachine(RuleBasedStateMachine):
         m = 0
         if k > 1 and limit >= 1 and top >= k:
             used = free = 0
-            for u, f in cand:
+            for u, _ in cand:
                 if m == limit or used + u > top - free - (k - u):
                     break
                 used += u
@@ -526,8 +526,7 @@ def _device_bytes(arena: Arena, name: str, pages: np.ndarray) -> set[tuple[int, 
     """(start, end) byte ranges of device pages of pool `name` in the arena."""
     plan, layout = arena.plan, arena.layout
     k, stride = plan.per_frame[name], plan.stride[name]
-    size = layout.pool(name).page_bytes(layout.page_size) if hasattr(layout, "pool") else [
-        p for p in layout.pools if p.name == name][0].page_bytes(layout.page_size)
+    size = layout.pool(name).page_bytes(layout.page_size)
     out = set()
     for p in np.asarray(pages).ravel().tolist():
         if p >= 0:

@@ -35,13 +35,16 @@ def size() -> int:
 
 
 def disk_bytes(root: Path) -> int:
-    """Bytes of the store's committed objects on disk (no temporaries, no user files)."""
+    """Bytes of the store's committed objects on disk (no temporaries, no user files). Every
+    folder is listed before any object is measured: with writers running, a walk that
+    measures as it goes sees early folders before their evictions and late ones after their
+    writes, counting bytes the disk never held at once (the longer, the more loaded)."""
+    names = [os.path.join(dirpath, name) for dirpath, _, files in os.walk(root)
+             for name in files if DIGEST.fullmatch(name)]
     total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            if DIGEST.fullmatch(name):
-                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                    total += os.lstat(os.path.join(dirpath, name)).st_size
+    for path in names:
+        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+            total += os.lstat(path).st_size
     return total
 
 
