@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -189,6 +190,25 @@ FIXED = [
 ]
 
 
+def bad_free_ids(data: st.DataObject, pool: Any, held: set[int], how: str,
+                 most_negative: int = 5) -> list[int] | None:
+    """Ids a free must refuse (`how`: double, range, negative or huge: past int32) mixed
+    with pages in use, in a drawn order; None where `double` finds no idle page."""
+    if how == "double":
+        idle = [p for p in range(pool.num_pages) if p not in held]
+        if not idle:
+            return None
+        bad = [data.draw(st.sampled_from(idle))]
+    elif how == "range":
+        bad = [pool.num_pages + data.draw(st.integers(0, 5))]
+    elif how == "negative":
+        bad = [-data.draw(st.integers(1, most_negative))]
+    else:
+        bad = [2**31 + data.draw(st.integers(0, 5))]
+    good = data.draw(st.lists(st.sampled_from(sorted(held)), unique=True)) if held else []
+    return data.draw(st.permutations(good + bad))
+
+
 class ArenaMachine(RuleBasedStateMachine):
     """Arena + ArenaPool against a model: per pool the set of pages held, per frame its
     owner (or none). Everything the arena reports is recomputed from the model."""
@@ -320,18 +340,9 @@ class ArenaMachine(RuleBasedStateMachine):
     def bad_free(self, data: st.DataObject, how: str) -> None:
         name = data.draw(st.sampled_from(self.names))
         pool = self.pools[name]
-        if how == "double":
-            idle = [p for p in range(pool.num_pages) if p not in self.held[name]]
-            if not idle:
-                return
-            bad = [data.draw(st.sampled_from(idle))]
-        elif how == "range":
-            bad = [pool.num_pages + data.draw(st.integers(0, 5))]
-        else:
-            bad = [-data.draw(st.integers(1, 5))]
-        good = data.draw(st.lists(st.sampled_from(sorted(self.held[name])), unique=True)
-                         ) if self.held[name] else []
-        pages = data.draw(st.permutations(good + bad))
+        pages = bad_free_ids(data, pool, self.held[name], how)
+        if pages is None:
+            return
         before = self._snapshot()
         with pytest.raises(ValueError):
             pool.free(np.asarray(pages, dtype=np.int64))

@@ -18,6 +18,7 @@ from helpers import tiny_layout
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_arena import bad_free_ids
 
 from shadowradix.layout import KVLayout, PoolSpec, Retention
 from shadowradix.pool.allocator import PAGE_DTYPE, PoolExhausted
@@ -180,20 +181,9 @@ class ArenaStackMachine(RuleBasedStateMachine):
     def bad_free(self, data: st.DataObject, how: str) -> None:
         name = data.draw(st.sampled_from(self.names))
         pool = self.pools[name]
-        if how == "double":
-            idle = [p for p in range(pool.num_pages) if p not in self.held[name]]
-            if not idle:
-                return
-            bad = [data.draw(st.sampled_from(idle))]
-        elif how == "range":
-            bad = [pool.num_pages + data.draw(st.integers(0, 5))]
-        elif how == "negative":
-            bad = [-data.draw(st.integers(1, 2**31))]
-        else:
-            bad = [2**31 + data.draw(st.integers(0, 5))]
-        good = data.draw(st.lists(st.sampled_from(sorted(self.held[name])), unique=True)
-                         ) if self.held[name] else []
-        pages = data.draw(st.permutations(good + bad))
+        pages = bad_free_ids(data, pool, self.held[name], how, most_negative=2**31)
+        if pages is None:
+            return
         before = snapshot(self.arena, self.pools)
         with pytest.raises(ValueError):
             pool.free(np.asarray(pages, dtype=np.int64))

@@ -253,8 +253,13 @@ class Eviction:
     def _free_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
         """The cells of one pool row that eviction may let go: present in `tier`, not held
         by a window lock, and kept checkpoints' (kept) or loose pages (not kept)."""
-        mask = (node.slot(tier)[row] >= 0) & (node.window_lock == 0)
-        return mask & (node.keep[row] if kept else ~node.keep[row])
+        return self._kind_cells(node, tier, row, kept) & (node.window_lock == 0)
+
+    def _kind_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
+        """The cells of one pool row present in `tier` that are kept checkpoints' (kept) or
+        loose pages (not kept), locked or not."""
+        present = node.slot(tier)[row] >= 0
+        return present & node.keep[row] if kept else present & ~node.keep[row]
 
     def _let_go(self, node: Node, tier: int, row: int, mask: np.ndarray, freed: Freed) -> int:
         """Tombstone the `mask` cells of one pool row; their pages go to `freed`."""
@@ -270,8 +275,7 @@ class Eviction:
         heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
         for node in heap.oldest(_any_node):
-            present = node.slot(tier)[row] >= 0  # pages of the kind: else it leaves the heap
-            present &= node.keep[row] if kept else ~node.keep[row]
+            present = self._kind_cells(node, tier, row, kept)  # none: it leaves the heap
             if not np.count_nonzero(present):
                 continue
             locked = node.window_lock > 0
@@ -420,9 +424,7 @@ class Eviction:
             node, tier, row, kept)
 
     def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
-        present = node.slot(tier)[row] >= 0
-        mask = present & node.keep[row] if kept else present & ~node.keep[row]
-        return bool(np.count_nonzero(mask))
+        return bool(np.count_nonzero(self._kind_cells(node, tier, row, kept)))
 
     def _enqueue(self, node: Node) -> None:
         """Make `node` a candidate in the LRU heaps that may want it.
