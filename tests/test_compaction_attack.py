@@ -310,7 +310,7 @@ def test_a_fault_in_the_engines_page_copy_leaves_the_engine_consistent(model, mo
     mid-compaction: the generate may fail with that error, but the engine must stay
     consistent and exact. Instead the pool already freed the old pages: the tree names
     free pages, the step's clean-up double-frees, later hits read other requests' bytes."""
-    eng = fault_engine(model)
+    eng = fault_engine(model, 20)
     calls = fail_at(monkeypatch, PrefixCache, "copy_pages", nth, MemoryError)
     with contextlib.suppress(MemoryError):
         chat_turns(model, eng, 2, fault=MemoryError)
@@ -321,7 +321,7 @@ def test_a_fault_in_the_engines_page_copy_leaves_the_engine_consistent(model, mo
     assert_all_free_after_flush(eng)
 
 
-@pytest.mark.parametrize("pages, step, group", [(20, 64, 2), (24, 64, 3), (24, 16, 4)])
+@pytest.mark.parametrize("pages, step, group", [(20, 64, 2), (18, 64, 3), (24, 16, 4)])
 def test_concurrent_conversations_over_moved_pages_stay_exact(model, pages, step, group):
     """Regression: several requests at once in a tight arena, compaction moving cached
     pages between their steps; every hit on a moved page is exact, nothing leaks."""
@@ -335,7 +335,7 @@ def test_concurrent_conversations_over_moved_pages_stay_exact(model, pages, step
 def test_shared_prefix_with_preemption_over_moved_pages_stays_exact(model):
     """Regression: one system prompt, many requests at once, preemptions; compaction
     moves pages around the shared locked prefix."""
-    eng = Engine.from_hf(model, CacheConfig(page_size=EPS, device_bytes=12 * frame_bytes(model),
+    eng = Engine.from_hf(model, CacheConfig(page_size=EPS, device_bytes=10 * frame_bytes(model),
                                             debug_poison=True), step_tokens=16)
     system = rand_tokens(37, 7000)
     chats = [system + rand_tokens(3 + 11 * (i % 4), 7001 + i) for i in range(8)]
@@ -361,7 +361,7 @@ def test_sampling_over_moved_pages_matches_an_unbounded_engine(model):
     params = [SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3 + i,
                              ignore_eos=True) for i in range(8)]
     big = Engine.from_hf(model, CacheConfig(page_size=EPS, device_tokens=8192))
-    eng = fault_engine(model, 22, 64)
+    eng = fault_engine(model, 20, 64)
     for turn in range(3):
         want = big.generate(prompts, params)
         got = []

@@ -196,7 +196,7 @@ def test_compaction_moves_cached_pages_and_every_hit_on_them_stays_exact(model):
     """A tight arena and conversations of uneven lengths: eviction leaves holes in frames,
     compaction moves the tree's pages (their bytes too) to give whole frames back, and
     later turns that hit the moved pages are exact."""
-    eng = engine(model, 24, step_tokens=64)
+    eng = engine(model, 20, step_tokens=64)
     chats = [rand_tokens(17 + 13 * (i % 5), 400 + i) for i in range(10)]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     for turn in range(3):

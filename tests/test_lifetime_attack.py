@@ -155,12 +155,10 @@ def _tie_setup(policy: CheckpointPolicy) -> tuple[PrefixCache, list[int], list[i
     cache = PrefixCache(lay, 40, policy, budget=10**9)
     p, x, y = [1] * 8, [2] * 4, [3] * 4
     serve(cache, p + x + [0])
-    for _ in range(2):  # its loose window, then its loose state
-        cache.release(cache.tree.evict_bytes(1, rb))
+    cache.release(cache.tree.evict_bytes(1, rb))  # its loose window and state together
     m, _ = serve(cache, p + y + [0])  # stops at P's end with no resume point: a branch
     assert (m.prefix_len, m.logical_len) == (0, 8)
-    for _ in range(2):  # the loose pages Y's insert brought
-        cache.release(cache.tree.evict_bytes(1, rb))
+    cache.release(cache.tree.evict_bytes(1, rb))  # the loose pages Y's insert brought
     cache.release(cache.tree.evict_bytes(1, rb))  # leaf X, the oldest
     return cache, p + x + [0], p + y + [0]
 

@@ -9,7 +9,7 @@ owns only the LRU heaps, and is mixed into the tree.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -105,11 +105,15 @@ class Eviction:
         if want <= 0:
             return self._evict_result(freed)
         if self.policy.tombstones and not self.policy.adaptive_lifetime:
-            for row in self.short_lived_rows:  # loose pages first, every row
+            # Loose pages first, every row; a node's loose pages in the other short-lived
+            # rows go with those of the row with the largest pages (one is useless
+            # without the others: every short-lived row is needed at a resume point).
+            rows = sorted(self.short_lived_rows, key=lambda r: -page_bytes[r])
+            for i, row in enumerate(rows):
                 short = want - got()
                 if short > 0:
                     self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed,
-                                    None)
+                                    None, rows[1:] if i == 0 else ())
         self._evict_older(want, page_bytes, freed, got)
         # Pages the walk above did not reach (rows other than the one it walks by).
         for kept in (False, True) if self.policy.tombstones else ():
@@ -270,8 +274,11 @@ class Eviction:
         freed[tier][row].append(pages)
         return int(pages.size)
 
-    def _tombstone(self, tier: int, row: int, kept: bool, want: int,
-                   freed: Freed, room: SpillRoom | None) -> int:
+    def _tombstone(self, tier: int, row: int, kept: bool, want: int, freed: Freed,
+                   room: SpillRoom | None, along: Sequence[int] = ()) -> int:
+        """Let at least `want` unlocked kept (or loose) pages of pool row `row` go from
+        `tier`, least recently used node first, with the same kind of pages of each such
+        node in rows `along` (not counted; no room); the pages of `row` that went."""
         heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
         for node in heap.oldest(_any_node):
@@ -284,6 +291,10 @@ class Eviction:
                 if tier == DEVICE and room is not None:
                     self._spill(node, row, mask, room)
                 got += self._let_go(node, tier, row, mask, freed)
+                for other in along:
+                    cells = self._free_cells(node, tier, other, kept)
+                    if np.count_nonzero(cells):
+                        self._let_go(node, tier, other, cells, freed)
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
             if node.alive and np.count_nonzero(present & locked):  # what a lock keeps
