@@ -64,6 +64,7 @@ class Lease:
     stored: int = 0  # pages [0, stored) are in storage or came from a cache tier
     version: int = 0  # bumped whenever `table` changes
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
+    torn: bool = False  # a fault in `shrink` left own pages past `grown_to` in some pools
     tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
     prompt: int = 0  # tokens it was admitted with: where its prompt ends (resume learning)
     live: bool = True
@@ -326,7 +327,9 @@ class CacheManager:
             return True
         floor = lease.cached // self.page_size
         have, want = self._want(lease.grown_to, floor), self._want(end, floor)
-        need = {n: want[row] - have[row] for row, n in enumerate(self.names)}
+        kept = self._torn_pages(lease, have, want) if lease.torn else None
+        need = {n: want[row] - have[row] - (0 if kept is None else int(kept[row].sum()))
+                for row, n in enumerate(self.names)}
         if any(need.values()):
             got = self._alloc(need) if self._room(need) else None
             if got is None:
@@ -339,13 +342,24 @@ class CacheManager:
                 lease.own = np.concatenate(
                     (lease.own, np.zeros((len(self.names), extra), dtype=bool)), axis=1)
             for row, n in enumerate(self.names):
-                lease.table[row, have[row]:want[row]] = got[n]
+                cells = lease.table[row, have[row]:want[row]]
+                if kept is None:
+                    cells[:] = got[n]
+                else:  # around the pages a torn shrink left the lease
+                    cells[~kept[row]] = got[n]
                 lease.own[row, have[row]:want[row]] = True
             lease.version += 1
             if self.host is not None:  # a backup or spill may still read these pages
                 lease.ready = max(lease.ready, self.host.ready_ticket(got))
         lease.grown_to = end
         return True
+
+    def _torn_pages(self, lease: Lease, have: list[int], want: list[int]) -> list[np.ndarray]:
+        """Per pool, which cells of [have, want) hold a page a torn shrink left the lease
+        (its own: kept, not allocated again)."""
+        width = lease.own.shape[1]
+        return [np.pad(lease.own[row, lo:min(hi, width)], (0, max(hi - max(lo, width), 0)))
+                for row, (lo, hi) in enumerate(zip(have, want, strict=True))]
 
     def shrink(self, lease: Lease, end: int) -> None:
         """Give back the pages grown past what positions up to `end` need (a speculative
@@ -358,11 +372,15 @@ class CacheManager:
         spare = np.zeros_like(lease.own)
         for row, (lo, hi) in enumerate(zip(want, have, strict=True)):
             spare[row, lo:hi] = lease.own[row, lo:hi]
-        if spare.any():
-            self._give_up(lease.table, lease.own, spare)
-            lease.table[spare] = -1
-            lease.version += 1
-        lease.grown_to = end
+        try:
+            if spare.any():
+                lease.version += 1
+                self._give_up(lease.table, lease.own, spare, lease.table)
+        except BaseException:  # the pools not freed keep their pages past `end` (its own
+            lease.torn = True  # still): `grow` allocates around them
+            raise
+        finally:
+            lease.grown_to = end
 
     # -------------------------------------------------------------- cache
     def cache_prefix(self, lease: Lease, tokens: np.ndarray | Sequence[int],
@@ -400,8 +418,7 @@ class CacheManager:
         lease.version += 1
         if np.count_nonzero(dups):
             held = self.tree.path_table(result.node, DEVICE)[:, start:full]
-            self._give_up(pages, own, dups)
-            view[dups] = held[dups]
+            self._give_up(pages, own, dups, view, held)
         if not finished:  # it keeps running over the new prefix: the lock moves there
             lease.handles.append(cache.lock(result))
             while len(lease.handles) > 1:  # the older lock goes only once the new one holds
@@ -425,9 +442,8 @@ class CacheManager:
             return
         lo, dups, tree = found
         view, own = lease.table[:, lo:lo + dups.shape[1]], lease.own[:, lo:lo + dups.shape[1]]
-        self._give_up(view, own, dups)
-        view[dups] = tree[dups]
         lease.version += 1
+        self._give_up(view, own, dups, view, tree)
         if self.host is not None:  # the tree's copy may still be landing from the host
             lease.ready = max(lease.ready, self.host.ready_ticket(
                 {n: tree[row][dups[row]] for row, n in enumerate(self.names)}))
@@ -544,16 +560,21 @@ class CacheManager:
         return len(orphans)
 
     # -------------------------------------------------------------- pages
-    def _give_up(self, table: np.ndarray, own: np.ndarray, cells: np.ndarray) -> None:
+    def _give_up(self, table: np.ndarray, own: np.ndarray, cells: np.ndarray,
+                 view: np.ndarray | None = None, instead: np.ndarray | None = None) -> None:
         """Free the pages `table[cells]` a lease owns (`own`: its own marks over the same
-        columns), pool by pool, marking each pool's cells not its own once they are freed:
-        a fault in one pool leaves the later pools' pages the lease's, so an abort after it
-        frees exactly those."""
+        columns), pool by pool. Once a pool's pages are freed its cells are marked not the
+        lease's own and, in the lease's `view` of those columns (if given), name
+        `instead` (the tree's copy; None: -1) before the next pool is freed: a fault in
+        one pool leaves the later pools' pages the lease's (an abort after it frees
+        exactly those) and no cell naming a page already freed."""
         for row, name in enumerate(self.names):
             mask = cells[row]
             if np.count_nonzero(mask):
                 self.cache.free({name: table[row][mask]})
                 own[row][mask] = False
+                if view is not None:
+                    view[row][mask] = -1 if instead is None else instead[row][mask]
 
     def private(self, lease: Lease) -> dict[str, np.ndarray]:
         """The request's own pages, per pool."""
