@@ -595,7 +595,7 @@ class ContentCache(PrefixCache):
         super().copy_pages(name, old, new)
         row = self.layout.index(name)
         for a, b in zip(old.tolist(), new.tolist(), strict=True):
-            self.content[row][b] = self.content[row].pop(a, None)
+            self.content[row][b] = self.content[row].get(a)  # a copy: the source keeps its bytes
 
 
 class ArenaManagerMachine(ManagerMachine):

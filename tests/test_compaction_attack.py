@@ -244,7 +244,7 @@ def test_compaction_moves_nothing_when_moving_cannot_lower_the_shortage() -> Non
     for on in (True, False):
         cache, _ = frames_of([1, 3, 2])
         if not on:
-            cache.compact = lambda frames, need=None: 0  # type: ignore[method-assign]
+            cache.compact = lambda frames, need=None, busy=(): 0  # type: ignore[method-assign]
         short = cache.arena.frames_short(cache._arena_pools, {"c4": 7})
         assert short == 1
         assert cache.alloc({"c4": 7}) is not None
@@ -462,7 +462,7 @@ def test_simulated_replays_over_an_arena_keep_the_tree_sound_and_hit_no_less(chu
         for on in (True, False):
             cache = make_cache(lay, policy_choice("shadowradix"), 0.5 * 2**30, arena=True)
             if not on:
-                cache.compact = lambda frames, need=None: 0  # type: ignore[method-assign]
+                cache.compact = lambda frames, need=None, busy=(): 0  # type: ignore[method-assign]
             st_ = replay(cache, trace, with_output=True, chunk_pages=chunk_pages, check_every=1)
             assert st_.refused == 0
             rates[on] = st_.hit_rate

@@ -549,11 +549,10 @@ class Engine:
         have filled left the cache (HostTier.recover); every running request that reads
         one goes back to the queue and resumes from what is valid, the others run."""
         assert self.host is not None
-        for c in chunks:
-            assert c.request.lease is not None
-            self._wait_for_copies(c.request.lease.ready)
-        lost = self.host.recover(max(c.request.lease.ready for c in chunks
-                                     if c.request.lease is not None))
+        ticket = self.host.step_ticket(max(c.request.lease.ready for c in chunks
+                                           if c.request.lease is not None))
+        self._wait_for_copies(ticket)
+        lost = self.host.recover(ticket)
         if not lost:
             return chunks
         broken = [r for r in self.scheduler.running

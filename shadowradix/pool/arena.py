@@ -330,43 +330,55 @@ class ArenaPool:
         self._slots[top:top + slots.size] = slots
         self._top = top + slots.size
 
-    def _free_per_frame(self, exclude: Collection[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """The held frames with a free slot (but `exclude`) and how many each has free."""
+    def _free_per_frame(self, exclude: Collection[int] = (),
+                        only: Collection[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The held frames with a free slot (but `exclude`; of `only`, when given) and how
+        many each has free."""
         free = np.bincount(self._slots[:self._top] // self.per_frame,
                            minlength=self.arena.frames)
+        if only is not None:
+            keep = np.zeros(free.size, dtype=bool)
+            ids = np.fromiter(only, np.int64, len(only))
+            keep[ids[(ids >= 0) & (ids < free.size)]] = True
+            free[~keep] = 0
         if exclude:
             out = np.fromiter(exclude, np.int64, len(exclude))
             free[out[(out >= 0) & (out < free.size)]] = 0
         frames = np.flatnonzero(free)
         return frames, free[frames]
 
-    def sparse(self, limit: int, exclude: Collection[int] = ()) -> np.ndarray:
+    def sparse(self, limit: int, exclude: Collection[int] = (),
+               avoid: Collection[int] = ()) -> np.ndarray:
         """The pages in use in up to `limit` of the emptiest frames this pool holds, but
-        `exclude`, whose pages fit in the free slots of its other frames (excluded ones
-        too): what compaction moves so those frames go back to the arena (none while its
-        free slots make no whole frame)."""
+        `exclude` and `avoid`, whose pages fit in the free slots of its other frames
+        (`exclude`d ones too, not those in `avoid`: frames a copy in flight may still read
+        or write): what compaction moves so those frames go back to the arena (none while
+        its free slots make no whole frame)."""
         k = self.per_frame
         if k == 1 or limit < 1 or self._top < k:
             return np.empty(0, PAGE_DTYPE)
-        frames, free = self._free_per_frame(exclude)
+        slots = self._top  # the free slots a move may take
+        if avoid:
+            slots -= int(self._free_per_frame(only=avoid)[1].sum())
+        frames, free = self._free_per_frame((*exclude, *avoid) if avoid else exclude)
         order = np.argsort(-free, kind="stable")  # emptiest first
         frames, used = frames[order], k - free[order]
-        room = self._top - np.cumsum(free[order])  # free slots past the m emptiest
+        room = slots - np.cumsum(free[order])  # free slots past the m emptiest
         m = min(limit, int(np.count_nonzero(np.cumsum(used) <= room)))
         which, slot = np.nonzero(self._in_use.reshape(-1, k)[frames[:m]])
         return (frames[:m][which] * k + slot).astype(PAGE_DTYPE)
 
-    def claim(self, old: np.ndarray) -> np.ndarray:
+    def claim(self, old: np.ndarray, avoid: Collection[int] = ()) -> np.ndarray:
         """Book a free slot for each page in use of `old`, in the frames that hold none of
-        them (the fullest first): their new ids, in order. `old` stays in use: the caller
-        frees it once the bytes and the ids moved (`move` does both). ValueError (changing
-        nothing) if they do not fit."""
+        them and are not in `avoid` (the fullest first): their new ids, in order. `old`
+        stays in use: the caller frees it once the bytes and the ids moved (`move` does
+        both). ValueError (changing nothing) if they do not fit."""
         old = checked_free(self.name, self._in_use, old)
         k = self.per_frame
         if old.size == 0:
             return old.copy()
         slots = self._slots[:self._top]
-        frames, free = self._free_per_frame((old // k).tolist())
+        frames, free = self._free_per_frame([*(old // k).tolist(), *avoid])
         rank = np.full(self.arena.frames, -1, dtype=np.int64)  # fullest frame first
         rank[frames[np.argsort(free, kind="stable")]] = np.arange(frames.size)
         at = rank[slots // k]

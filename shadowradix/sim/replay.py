@@ -41,6 +41,12 @@ class CountingMover:
     def done(self, ticket: int) -> bool:
         return True
 
+    def wait(self, ticket: int) -> None:
+        pass
+
+    def failures(self, ticket: int) -> list[tuple[int, BaseException | None]]:
+        return []
+
 
 @dataclass
 class ReplayStats:
@@ -177,6 +183,11 @@ def _run(manager: CacheManager, lease: Lease, seq: np.ndarray, chunk: int,
         if not grown:
             manager.abort(lease)
             return False
+        if manager.host is not None:  # as the engine before a forward
+            host = manager.host
+            ticket = host.step_ticket(lease.ready)
+            host.mover.wait(ticket)
+            host.recover(ticket)
         for n, pool in cache.pools.items():
             st.peak_pages[n] = max(st.peak_pages[n], pool.used_pages)
         t0 = time.perf_counter()

@@ -77,7 +77,9 @@ def make_cache(layout: KVLayout, choice: PolicyChoice, device_bytes: float,
     `arena`: a shared-budget choice draws its pages from the engine's arena (pool/arena.py:
     frames, so fragmentation counts; with a host tier too) instead of a byte count."""
     ratio = _window_ratio(choice, bool(host_bytes) and not arena)
-    host = pages_for_budget(layout, host_bytes, ratio or 1.0) if host_bytes else None
+    # The host pools split as SGLang's whatever the device does (the arena is device only).
+    host = (pages_for_budget(layout, host_bytes, ratio or SHARED_FALLBACK_RATIO)
+            if host_bytes else None)
     if ratio is None and arena:
         return PrefixCache(layout, {}, choice.policy, host_pages=host,
                            arena=Arena(layout, int(device_bytes)))

@@ -79,6 +79,15 @@ class HostTier:
                      if arena is None or name not in arena.names}
         # Per ticket not known to have landed, the pages it writes (forgotten if it fails).
         self._writes: dict[int, Written] = {}
+        # Every ticket up to this one landed or had its pages forgotten (`recover`): a
+        # frame whose last ticket is older holds no copy in flight and no id a failed copy
+        # still names, so an arena's compaction may move its pages (`frames_in_flight`).
+        # Advanced only by `recover`, with the ticket the caller waited for: the same
+        # calls give the same frames, however fast the copies ran.
+        self._settled = 0
+        self._floor = 0  # the newest ticket at the last `step_ticket`
+        if arena is not None:
+            cache.frames_in_flight = self.frames_in_flight
 
     # ------------------------------------------------------------ load-back
     def load_need(self, match: MatchResult) -> dict[str, int]:
@@ -190,9 +199,23 @@ class HostTier:
             return self.busy[name], np.asarray(ids)
         return self._frame_busy, frames
 
+    def step_ticket(self, ready: int) -> int:
+        """The ticket a step waits for (`mover.wait`) before its forward, and then
+        `recover`s: `ready`, the newest its requests' pages need, and at least every copy
+        submitted before the previous step's, so that a backup keeps its frames from
+        compaction for two steps at most (a forward outlasts the copy of its pages)."""
+        ticket = max(ready, self._floor)
+        self._floor = self.mover.last
+        return ticket
+
+    def frames_in_flight(self) -> list[int]:
+        """Arena frames whose last copy `recover` has not yet settled: one may still read
+        or write their bytes, or name their ids when it fails."""
+        return np.flatnonzero(self._frame_busy > self._settled).tolist()
+
     # ------------------------------------------------------- failed copies
     def recover(self, ticket: int) -> dict[str, np.ndarray]:
-        """After `ticket` is done: forget what failed copies should have written (the host
+        """After `mover.wait(ticket)`: forget what failed copies should have written (the host
         shadows of failed backups, spills and landings, the device pages of failed
         load-backs); returns the device pages that left the tree, per pool, which nobody
         may read now (the caller restarts the requests that do). Run it only between
@@ -203,13 +226,22 @@ class HostTier:
         for t in landed:
             self._writes.pop(t, None)
         if not failed:
+            self._settle_to(ticket)
             return {}
         errors = [exc for _, exc in failed if exc is not None]
         self.counts["copy_errors"] += len(errors)
         self.counts["copies_voided"] += len(failed)
         log.warning("%d host copies failed (%d voided behind them), forgetting their pages: "
                     "%r", len(errors), len(failed) - len(errors), errors[:1])
-        return self._forget(lost)
+        lost_pages = self._forget(lost)
+        self._settle_to(ticket)
+        return lost_pages
+
+    def _settle_to(self, ticket: int) -> None:
+        """Every copy up to `ticket` landed (or was forgotten) for what follows: the
+        caller waited for it, and copies land in order."""
+        if ticket <= self.mover.last:
+            self._settled = max(self._settled, ticket)
 
     def _forget(self, lost: list[Written]) -> dict[str, np.ndarray]:
         """Tombstone the tree's cells that hold any of these pages and free them."""

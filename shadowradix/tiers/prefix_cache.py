@@ -10,7 +10,7 @@ HostTier does (tiers/host_tier.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,9 @@ class PrefixCache:
         self.evicted_host = {name: 0 for name in layout.pool_names}
         self.moved = {name: 0 for name in layout.pool_names}  # pages an arena's compaction moved
         self.compact_seconds = 0.0
+        # Arena frames a host copy may still read or write (a HostTier over this cache
+        # sets it): compaction leaves them be. None with a host tier: no compaction.
+        self.frames_in_flight: Callable[[], list[int]] | None = None
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
         # Pages the tree let go (evicted: True) or moved away from, to free: see `release`
         self._unreleased: list[tuple[int, str, np.ndarray, bool]] = []
@@ -256,8 +259,9 @@ class PrefixCache:
         pools = self._arena_pools
         order = sorted(pools.values(), key=lambda p: (p.spec.retention is Retention.ALL,
                                                       -self._page_bytes[p.name]))
+        compacts = not self.has_host or self.frames_in_flight is not None
         while (short := arena.frames_short(pools, need)) > 0:
-            if not self.has_host and self.compact(short, need):
+            if compacts and self.compact(short, need, self._frames_busy(room)):
                 continue  # each frame it gave back is one fewer short
             before = sum(p.used_pages for p in pools.values())
             if not self.has_host:
@@ -275,7 +279,19 @@ class PrefixCache:
                 return False
         return True
 
-    def compact(self, frames: int, need: Mapping[str, int] | None = None) -> int:
+    def _frames_busy(self, room: SpillRoom | None) -> list[int]:
+        """Arena frames compaction must not touch: those a host copy in flight may read
+        or write, and those of the device pages a write-back `room` took (freed, their
+        bytes wait for the copy submitted once the allocation is over)."""
+        busy = [] if self.frames_in_flight is None else list(self.frames_in_flight())
+        for name, dev, _ in room.copies() if room is not None else ():
+            frames = self.arena_frames_of(name, dev)
+            if frames is not None:
+                busy.extend(np.unique(frames).tolist())
+        return busy
+
+    def compact(self, frames: int, need: Mapping[str, int] | None = None,
+                busy: Collection[int] = ()) -> int:
         """Arena: move the tree's unlocked device pages out of the emptiest frames of a
         pool into the free slots of its others, until `frames` frames went back to the
         arena or no pool can give back a frame without a lock in the way; the frames that
@@ -283,7 +299,8 @@ class PrefixCache:
         emptiest goes instead). With `need` (pages per pool about to be allocated), a pool
         keeps the free slots it needs: a frame it gave back would only be taken again.
         The bytes move with the pages (a device copy); nothing a request holds moves, and
-        a fault leaves every page where it was. O(tree) per pool it compacts."""
+        a fault leaves every page where it was. Frames in `busy` (see `_frames_busy`) give
+        no page and take none. O(tree) per pool it compacts."""
         assert self.arena is not None
         t0 = time.perf_counter()
         start = self.arena.free_frames
@@ -294,18 +311,19 @@ class PrefixCache:
                     break
                 spare = (pool.slots_free - (need or {}).get(name, 0)) // pool.per_frame
                 if min(spare, frames - got) >= 1:
-                    self._compact_pool(name, pool, min(spare, frames - got))
+                    self._compact_pool(name, pool, min(spare, frames - got), busy)
         finally:
             self.compact_seconds += time.perf_counter() - t0
         return self.arena.free_frames - start
 
-    def _compact_pool(self, name: str, pool: ArenaPool, frames: int) -> None:
+    def _compact_pool(self, name: str, pool: ArenaPool, frames: int,
+                      busy: Collection[int] = ()) -> None:
         """Give up to `frames` of `pool`'s frames back (see `compact`)."""
         row, k = self.layout.index(name), pool.per_frame
         locked: set[int] = set()  # frames a lock holds a page of
         pages = np.empty(0, PAGE_DTYPE)
         for _ in range(COMPACT_ROUNDS):
-            pages = pool.sparse(frames, locked)
+            pages = pool.sparse(frames, locked, busy)
             ok, owners = self._owners.movable(row, pages)
             if ok.all():
                 break
@@ -316,16 +334,15 @@ class PrefixCache:
             _, owners = self._owners.movable(row, pages)
         if pages.size == 0:
             return
-        new = pool.claim(pages)
-        renamed = False
-        try:
+        new = pool.claim(pages, busy)
+        try:  # the bytes first: nothing names `new` until the rename, which checks every
+            self.copy_pages(name, pages, new)  # id before it changes any
             self._owners.relocate(row, owners, new)
-            renamed = True
-            self.copy_pages(name, pages, new)
-        except BaseException:  # back to `pages`, which still hold the bytes
-            if renamed:
-                self._owners.relocate(row, owners, pages)
-            pool.unclaim(new)
+        except BaseException:  # the tree still names `pages`, which hold the bytes
+            try:
+                pool.unclaim(new)
+            except BaseException:  # in use, nobody's: they go at the next release
+                self._unreleased.append((DEVICE, name, new, False))
             raise
         self._unreleased.append((DEVICE, name, pages, False))
         self.moved[name] += int(pages.size)

@@ -109,9 +109,11 @@ class PageOwners:
         held = np.empty(len(nodes), dtype=object)
         held[:] = nodes
         starts = np.fromiter((n.start_page for n in nodes), np.int64, len(nodes))
-        for node, col, page in zip(nodes, cols.tolist(), to.tolist(), strict=True):
-            if page >= 0:
-                node.pages[row, col] = page
-        move = to >= 0
-        self._nodes[row][to[move]] = held[move]
-        self._pos[row][to[move]] = cols[move] + starts[move]
+        move = to >= 0  # everything the writes below need is made first
+        ids, who, pos = to[move], held[move], (cols[move] + starts[move]).astype(np.int32)
+        moves = [(node, col, page) for node, col, page in
+                 zip(nodes, cols.tolist(), to.tolist(), strict=True) if page >= 0]
+        self._nodes[row][ids] = who
+        self._pos[row][ids] = pos
+        for node, col, page in moves:
+            node.pages[row, col] = page
