@@ -20,6 +20,7 @@ tree/relocate.py PageOwners, PrefixCache.copy_pages).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -164,14 +165,21 @@ HLAYOUT = KVLayout("compact", (PoolSpec("kv", 1, Retention.ALL, (2,), "float32",
                                PoolSpec("c4", 4, Retention.ALL, (2,), "float32", 1)), HPS)
 
 
-def frames_of(keep: list[int], spare_frames: int = 0) -> tuple[PrefixCache, list[np.ndarray]]:
+def frames_of(keep: list[int], spare_frames: int = 0,
+              make: Callable[[Arena], PrefixCache] | None = None,
+              ) -> tuple[PrefixCache, list[np.ndarray]]:
     """A cache whose pool c4 (4 pages a frame) holds `keep[f]` cached one-page sequences in
-    its f-th frame (pool kv: a frame a page), and `spare_frames` free frames besides."""
+    its f-th frame (pool kv: a frame a page), and `spare_frames` free frames besides; a
+    request holds the rest of the arena (`cache.held`). `make(arena)` builds the cache (a
+    PrefixCache by default); one with `content` (test_arena.ContentCache) gets each cached
+    page's key."""
     plan = plan_frames(HLAYOUT)
     k = plan.per_frame["c4"]
     assert (plan.per_frame["kv"], k) == (1, 4)
     n = len(keep) * k
-    cache = PrefixCache(HLAYOUT, {}, arena=Arena(HLAYOUT, (n + len(keep)) * plan.frame_bytes))
+    arena = Arena(HLAYOUT, (n + len(keep)) * plan.frame_bytes)
+    cache = make(arena) if make else PrefixCache(HLAYOUT, {}, arena=arena)
+    content = getattr(cache, "content", None)
     got = cache.alloc({"kv": n, "c4": n})
     assert got is not None
     seqs, drop = [], {"kv": [], "c4": []}
@@ -179,6 +187,9 @@ def frames_of(keep: list[int], spare_frames: int = 0) -> tuple[PrefixCache, list
         tokens = np.full(HPS, i + 1, np.int32)
         kv, c4 = int(got["kv"][i]), int(got["c4"][i])
         if i % k < keep[i // k]:
+            if content is not None:
+                content[0][kv] = page_key(tokens, 0, 0, HPS)
+                content[1][c4] = page_key(tokens, 0, 1, HPS)
             cache.insert(tokens, np.array([[kv], [c4]], np.int32))
             seqs.append(tokens)
         else:
@@ -187,9 +198,7 @@ def frames_of(keep: list[int], spare_frames: int = 0) -> tuple[PrefixCache, list
     cache.free({name: np.asarray(v, np.int32) for name, v in drop.items()})
     c4 = cache.pools["c4"]
     assert c4.frames_held == len(keep) and c4.used_pages == sum(keep)
-    extra = cache.arena.free_frames - spare_frames
-    if extra > 0:  # a request holds the rest of the arena
-        cache.alloc({"kv": extra})
+    cache.held = cache.alloc({"kv": cache.arena.free_frames - spare_frames})  # type: ignore[attr-defined]
     assert cache.arena.free_frames == spare_frames
     return cache, seqs
 

@@ -18,13 +18,16 @@ that the tree holds for it, and a fresh request must get a sound match.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import pytest
 from helpers import assert_sound, fail_at, page_key, tiny_layout
 from test_arena import ContentCache
+from test_compaction_attack import HLAYOUT, HPS, frames_of
 from test_tiers_machine import ContentMover
 
-from shadowradix.layout import KVLayout, PoolSpec, Retention
 from shadowradix.pool.allocator import PagePool
 from shadowradix.pool.arena import Arena, ArenaPool, plan_frames
 from shadowradix.tiers.host_tier import HostTier
@@ -47,6 +50,17 @@ class Injected(RuntimeError):
 
 def free_point(kind: str) -> tuple[type, str]:
     return (PagePool, "free") if kind == "pages" else (ArenaPool, "free")
+
+
+def fault(monkeypatch: pytest.MonkeyPatch, point: tuple[type, str], nth: int,
+          call: Callable[[], object], kind: type[BaseException] = Injected) -> int:
+    """Run `call` with `point`'s nth call raising `kind` (it must reach the caller), then
+    lift the fault; returns how many calls `point` saw."""
+    calls = fail_at(monkeypatch, *point, nth, kind)
+    with pytest.raises(kind):
+        call()
+    monkeypatch.undo()
+    return calls[0]
 
 
 def build(kind: str, host: bool, pages: int | dict[str, int] = 64, frames: int = 120,
@@ -148,11 +162,7 @@ def test_a_fault_in_shrink_then_abort_balances_the_books(monkeypatch, kind, host
     other = manager.admit(np.arange(100, 113, dtype=np.int32), 13)  # a bystander
     assert other is not None
     lease, _ = spec_step(cache, manager)
-    calls = fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.shrink(lease, 10)
-    monkeypatch.undo()
-    assert calls[0] == nth
+    assert fault(monkeypatch, free_point(kind), nth, lambda: manager.shrink(lease, 10)) == nth
     manager.check_integrity()
     manager.abort(lease)
     manager.check_integrity()
@@ -179,10 +189,7 @@ def test_a_fault_in_shrink_leaves_the_table_naming_freed_pages(monkeypatch, kind
     fills only the cells of [have, want) that hold no page of the lease's own."""
     cache, manager = build(kind, False)
     lease, top = spec_step(cache, manager)
-    fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.shrink(lease, 10)
-    monkeypatch.undo()
+    fault(monkeypatch, free_point(kind), nth, lambda: manager.shrink(lease, 10))
     manager.check_integrity()
     assert manager.grow(lease, top)  # the drafts of the retried step
     other = manager.admit(np.arange(200, 217, dtype=np.int32), 17)
@@ -201,10 +208,7 @@ def test_shrink_retried_after_a_fault_frees_nothing_twice(monkeypatch, kind, nth
     lease's own (no double free), and the pages grown again are fresh ones."""
     cache, manager = build(kind, False)
     lease, top = spec_step(cache, manager)
-    fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.shrink(lease, 10)
-    monkeypatch.undo()
+    fault(monkeypatch, free_point(kind), nth, lambda: manager.shrink(lease, 10))
     manager.shrink(lease, 10)
     manager.check_integrity()
     assert lease.grown_to == 10
@@ -240,11 +244,8 @@ def test_a_fault_freeing_dups_at_cache_prefix_then_abort(monkeypatch, kind, host
     balance and every match stays sound."""
     cache, manager = build(kind, host)
     a, b = twins(cache, manager)
-    calls = fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.cache_prefix(a, TOKENS, 8)
-    monkeypatch.undo()
-    assert calls[0] == nth
+    assert fault(monkeypatch, free_point(kind), nth,
+                 lambda: manager.cache_prefix(a, TOKENS, 8)) == nth
     manager.check_integrity()
     manager.abort(a)
     manager.check_integrity()
@@ -265,11 +266,9 @@ def test_a_fault_freeing_dups_at_finish(monkeypatch, kind, host, nth) -> None:
     cache, manager = build(kind, host)
     a, b = twins(cache, manager)
     manager.finish(b, TOKENS, TOKENS.size)
-    calls = fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.finish(a, TOKENS, TOKENS.size)
-    monkeypatch.undo()
-    assert calls[0] >= nth  # finish's abort frees more after the fault
+    finished = fault(monkeypatch, free_point(kind), nth,
+                     lambda: manager.finish(a, TOKENS, TOKENS.size))
+    assert finished >= nth  # finish's abort frees more after the fault
     assert not a.live
     manager.check_integrity()
     manager.abort(a)
@@ -296,11 +295,8 @@ def test_a_fault_freeing_recomputed_cached_pages(monkeypatch, kind, host, nth) -
     again = manager.admit(other, other.size)
     assert again is not None and again.done == 0 and again.logical_len == 16
     write(cache, again, other)
-    calls = fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.cache_prefix(again, other, 16)
-    monkeypatch.undo()
-    assert calls[0] == nth
+    assert fault(monkeypatch, free_point(kind), nth,
+                 lambda: manager.cache_prefix(again, other, 16)) == nth
     manager.check_integrity()
     manager.abort(again)
     manager.check_integrity()
@@ -319,16 +315,12 @@ def test_an_interrupt_halfway_then_the_requeue_path(monkeypatch, kind, where, nt
     if where == "shrink":
         lease, _ = spec_step(cache, manager)
         tokens, computed = np.arange(17, dtype=np.int32), 10
-        fail_at(monkeypatch, *free_point(kind), nth, KeyboardInterrupt)
-        with pytest.raises(KeyboardInterrupt):
-            manager.shrink(lease, computed)
+        step = partial(manager.shrink, lease, computed)
     else:
         lease, _ = twins(cache, manager)
         tokens, computed = TOKENS, 8
-        fail_at(monkeypatch, *free_point(kind), nth, KeyboardInterrupt)
-        with pytest.raises(KeyboardInterrupt):
-            manager.cache_prefix(lease, tokens, computed)
-    monkeypatch.undo()
+        step = partial(manager.cache_prefix, lease, tokens, computed)
+    fault(monkeypatch, free_point(kind), nth, step, KeyboardInterrupt)
     manager.preempt(lease, tokens, computed)
     manager.abort(lease)
     manager.check_integrity()
@@ -343,11 +335,7 @@ def test_a_fault_when_a_frame_goes_back_in_shrink(monkeypatch, nth) -> None:
     pool's free during shrink; abort, then the books balance."""
     cache, manager = build("arena", False)
     lease, _ = spec_step(cache, manager)
-    calls = fail_at(monkeypatch, Arena, "give", nth, Injected)
-    with pytest.raises(Injected):
-        manager.shrink(lease, 10)
-    monkeypatch.undo()
-    assert calls[0] == nth
+    assert fault(monkeypatch, (Arena, "give"), nth, lambda: manager.shrink(lease, 10)) == nth
     manager.check_integrity()
     manager.abort(lease)
     manager.check_integrity()
@@ -404,14 +392,11 @@ def test_a_fault_sharing_a_bystanders_pages_leaves_it_reading_a_freed_page(
     a, b = bystander_with_a_copy(cache, manager)
     k = short_by_one(cache, kind)
     fresh = np.arange(300, 300 + k * PS + 1, dtype=np.int32)
-    calls = fail_at(monkeypatch, *free_point(kind), 2, Injected)
-    with pytest.raises(Injected):
-        if via == "admit":  # another request's admission (it is aborted by admit)
-            manager.admit(fresh, k * PS)
-        else:  # a's growth, k more pages in swa (the scheduler's plan: a stays running)
-            manager.grow(a, (7 + k) * PS)
-    monkeypatch.undo()
-    assert calls[0] == 2
+    if via == "admit":  # another request's admission (it is aborted by admit)
+        step = partial(manager.admit, fresh, k * PS)
+    else:  # a's growth, k more pages in swa (the scheduler's plan: a stays running)
+        step = partial(manager.grow, a, (7 + k) * PS)
+    assert fault(monkeypatch, free_point(kind), 2, step) == 2
     manager.check_integrity()  # the books balance: only b's table is wrong
     assert a.live and b.live
     small = manager.admit(np.arange(400, 409, dtype=np.int32), 9)
@@ -435,11 +420,8 @@ def test_a_fault_sharing_at_its_own_hand_over_then_abort(monkeypatch, kind, nth)
     abort balances the books."""
     cache, manager = build(kind, False)
     a, b = bystander_with_a_copy(cache, manager)
-    calls = fail_at(monkeypatch, *free_point(kind), nth, Injected)
-    with pytest.raises(Injected):
-        manager.cache_prefix(b, TOKENS, 12)
-    monkeypatch.undo()
-    assert calls[0] == nth
+    assert fault(monkeypatch, free_point(kind), nth,
+                 lambda: manager.cache_prefix(b, TOKENS, 12)) == nth
     manager.abort(b)
     manager.check_integrity()
     reads_are_held(manager)
@@ -468,43 +450,21 @@ def test_sharing_without_a_fault_keeps_every_read(kind) -> None:
 
 # ------------------------------------------------------------------- compaction
 
-HPS = 8
-HLAYOUT = KVLayout("compact", (PoolSpec("kv", 1, Retention.ALL, (2,), "float32", 1),
-                               PoolSpec("c4", 4, Retention.ALL, (2,), "float32", 1)), HPS)
-
-
 def frames_with_content(keep: list[int],
                         host: bool = False) -> tuple[ContentCache, list[np.ndarray]]:
-    """As test_compaction_attack.frames_of, with content: pool c4 (4 pages a frame) holds
-    `keep[f]` cached one-page sequences in its f-th frame (kv: a page a frame), and the
-    rest of the arena is held by a request. `host`: with a host tier (HostTier lets the
-    arena compact frames no copy is in flight for)."""
-    plan = plan_frames(HLAYOUT)
-    k = plan.per_frame["c4"]
-    n = len(keep) * k
-    cache = ContentCache(HLAYOUT, {}, host_pages=64 if host else None,
-                         arena=Arena(HLAYOUT, (n + len(keep)) * plan.frame_bytes))
-    cache.content = [{}, {}]
-    if host:
-        mover = ContentMover([cache.content, [{}, {}]], list(HLAYOUT.pool_names))
-        HostTier(cache, mover, "write_through")  # type: ignore[arg-type]  # sets frames_in_flight
-    got = cache.alloc({"kv": n, "c4": n})
-    assert got is not None
-    seqs, drop = [], {"kv": [], "c4": []}
-    for i in range(n):
-        tokens = np.full(HPS, i + 1, np.int32)
-        kv, c4 = int(got["kv"][i]), int(got["c4"][i])
-        if i % k < keep[i // k]:
-            cache.content[0][kv] = page_key(tokens, 0, 0, HPS)
-            cache.content[1][c4] = page_key(tokens, 0, 1, HPS)
-            cache.insert(tokens, np.array([[kv], [c4]], np.int32))
-            seqs.append(tokens)
-        else:
-            drop["kv"].append(kv)
-            drop["c4"].append(c4)
-    cache.free({name: np.asarray(v, np.int32) for name, v in drop.items()})
-    cache.held = cache.alloc({"kv": cache.arena.free_frames})  # the request's
-    assert cache.arena.free_frames == 0
+    """test_compaction_attack.frames_of with content, the rest of the arena held by a
+    request; `host`: with a host tier (HostTier lets the arena compact frames no copy is
+    in flight for)."""
+    def make(arena: Arena) -> ContentCache:
+        cache = ContentCache(HLAYOUT, {}, host_pages=64 if host else None, arena=arena)
+        cache.content = [{}, {}]
+        if host:  # sets the cache's frames_in_flight
+            mover = ContentMover([cache.content, [{}, {}]], list(HLAYOUT.pool_names))
+            HostTier(cache, mover, "write_through")  # type: ignore[arg-type]
+        return cache
+
+    cache, seqs = frames_of(keep, make=make)
+    assert isinstance(cache, ContentCache)
     return cache, seqs
 
 
