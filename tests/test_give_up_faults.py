@@ -18,6 +18,8 @@ that the tree holds for it, and a fresh request must get a sound match.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 from functools import partial
 
@@ -546,4 +548,46 @@ def test_a_fault_in_the_undos_unclaim_leaks_the_claimed_slots(host) -> None:
     got = cache.alloc({"kv": 1})  # whatever the next allocation frees or moves
     if got is not None:
         cache.held["kv"] = np.concatenate((cache.held["kv"], got["kv"]))
+    compaction_sound(cache, seqs)
+
+
+def interrupt_at_line(code: object, text: str, nth: int) -> Callable[..., object]:
+    """A sys.settrace function that raises KeyboardInterrupt (a signal arriving between
+    two bytecodes) the nth time the line of `code` containing `text` is about to run."""
+    lines, first = inspect.getsourcelines(code)  # type: ignore[arg-type]
+    target = first + next(i for i, line in enumerate(lines) if text in line)
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target:
+            seen[0] += 1
+            if seen[0] == nth:
+                raise KeyboardInterrupt(f"line {target}, time {nth}")
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is getattr(code, "__code__", code) else None
+
+    return trace
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_an_interrupt_halfway_through_the_rename_undoes_it(host) -> None:
+    """Regression: a KeyboardInterrupt between two of `relocate`'s writes of the nodes'
+    ids (the map already names the new slots, one node renamed): the undo unclaimed the
+    new slots, so the renamed node named a free slot whose bytes the next allocation
+    overwrites (and the page it moved from stayed in use, nobody's). Fixed: the undo
+    renames the tree back (idempotent) before it unclaims."""
+    cache, seqs = frames_with_content([2, 3, 3], host)  # frame 0's 2 pages move
+    sys.settrace(interrupt_at_line(PageOwners.relocate, "node.pages[row, col] = page", 2))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cache.alloc({"kv": 1})
+    finally:
+        sys.settrace(None)
+    assert sum(cache.moved.values()) == 0
+    compaction_sound(cache, seqs)
+    got = cache.alloc({"kv": 1})
+    assert got is not None and sum(cache.moved.values()) == 2
+    cache.held["kv"] = np.concatenate((cache.held["kv"], got["kv"]))
     compaction_sound(cache, seqs)

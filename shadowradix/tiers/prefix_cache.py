@@ -338,8 +338,9 @@ class PrefixCache:
         try:  # the bytes first: nothing names `new` until the rename, which checks every
             self.copy_pages(name, pages, new)  # id before it changes any
             self._owners.relocate(row, owners, new)
-        except BaseException:  # the tree still names `pages`, which hold the bytes
-            try:
+        except BaseException:  # `pages` hold the bytes; the tree names them again
+            try:  # (an interrupt may have cut the rename short: renaming back is idempotent)
+                self._owners.relocate(row, owners, pages)
                 pool.unclaim(new)
             except BaseException:  # in use, nobody's: they go at the next release
                 self._unreleased.append((DEVICE, name, new, False))
