@@ -110,6 +110,9 @@ class PrefixCache:
             # Bytes an eviction counts: a pool in host memory frees no frame.
             self._arena_row_bytes = [b if p.name in self._arena_pools else 0
                                      for p, b in zip(layout.pools, self._row_bytes, strict=True)]
+            # Pool by pool, when the walk by age cannot free frames: short-lived first.
+            self._arena_order = sorted(self._arena_pools.values(), key=lambda p: (
+                p.spec.retention is Retention.ALL, -self._page_bytes[p.name]))
         self.host_pools: dict[str, PagePool | ArenaPool] = {}
         if host_pages is not None:
             cuda = device is not None and str(device).startswith("cuda")
@@ -257,8 +260,6 @@ class PrefixCache:
         assert self.arena is not None
         arena, fb = self.arena, self.arena.plan.frame_bytes
         pools = self._arena_pools
-        order = sorted(pools.values(), key=lambda p: (p.spec.retention is Retention.ALL,
-                                                      -self._page_bytes[p.name]))
         compacts = not self.has_host or self.frames_in_flight is not None
         while (short := arena.frames_short(pools, need)) > 0:
             if compacts and self.compact(short, need, self._frames_busy(room)):
@@ -271,7 +272,7 @@ class PrefixCache:
             if sum(p.used_pages for p in pools.values()) == before:
                 # A host tier, or what the walk by age cannot reach (kept checkpoints inside
                 # a running request's own locked prefix): pool by pool.
-                for pool in order:
+                for pool in self._arena_order:
                     if arena.frames_short(pools, need) <= 0:
                         break
                     self.evict(pool.name, short * pool.per_frame, DEVICE, room)

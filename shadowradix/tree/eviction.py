@@ -133,11 +133,9 @@ class Eviction:
         rows = self.short_lived_rows if self.policy.tombstones else []
         lead = max(rows, key=lambda r: page_bytes[r]) if rows else None
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
-        skipped: list[Node] = []
-        walks = [_Walk(self, None, False, skipped)]
+        walks = [_Walk(self, None, False)]
         if lead is not None:  # first on a tie (min keeps the first): loose, kept, leaf
-            walks = [_Walk(self, lead, False, skipped), _Walk(self, lead, True, skipped),
-                     *walks]
+            walks = [_Walk(self, lead, False), _Walk(self, lead, True), *walks]
         now = self._clock
 
         def stamp(w: _Walk) -> float:
@@ -161,11 +159,10 @@ class Eviction:
             elif node.alive and w.row is not None:
                 self._drop_short(node, rows, freed, w.kept)
                 if self._locked_rest(node, DEVICE, w.row, w.kept):
-                    skipped.append(node)
+                    w.skipped.append(node)
             w.advance()
-        for node in (*skipped, *(w.node for w in walks if w.node is not None)):
-            if node.alive:
-                self._enqueue(node)
+        for w in walks:
+            w.requeue()
 
     def _drop_short(self, node: Node, rows: list[int], freed: Freed, kept: bool) -> None:
         """Tombstone a node's unlocked kept (or loose) pages in every short-lived pool;
@@ -437,8 +434,12 @@ class Eviction:
     def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         return bool(np.count_nonzero(self._kind_cells(node, tier, row, kept)))
 
-    def _enqueue(self, node: Node) -> None:
-        """Make `node` a candidate in the LRU heaps that may want it.
+    def _enqueue(self, node: Node, changed: np.ndarray | None = None) -> None:
+        """Make `node` a candidate in the LRU heaps that may want it; with `changed`
+        ([pools, n]: the cells that just gained a page or a keep mark), in a short-lived
+        row's loose (kept) heap only where a changed cell of the row is loose (kept). One
+        tier: its loose and kept pages appear no other way, and a heap that dropped it
+        found none.
 
         Cheap on purpose: a heap checks on pop whether the node still holds
         pages of its kind and drops it if not.
@@ -448,8 +449,15 @@ class Eviction:
                 self._leaves[0].add(node)
             loose, kept = self._loose[0], self._kept[0]
             for row in self.short_lived_rows:
-                loose[row].add(node)
-                kept[row].add(node)
+                if changed is None:
+                    loose[row].add(node)
+                    kept[row].add(node)
+                    continue
+                marks = node.keep[row]
+                if np.count_nonzero(changed[row] & ~marks):
+                    loose[row].add(node)
+                if np.count_nonzero(changed[row] & marks):
+                    kept[row].add(node)
             return
         for tier in range(self.tiers):
             self._leaves[tier].add(node)
@@ -466,19 +474,26 @@ def _any_node(node: Node) -> bool:
 class _Walk:
     """One LRU walk of `_evict_older`: whole unlocked leaves (row None), or the nodes with
     unlocked kept (kept) or loose (not kept) pages in short-lived pool `row`. `node` is the
-    next one (None: the walk is over); locked nodes go to `skipped`, to be queued again."""
+    next one (None: the walk is over); locked nodes go to `skipped`. Each node it popped
+    left its heap (and only that one): `requeue` puts back those still candidates."""
 
-    def __init__(self, tree: Eviction, row: int | None, kept: bool,
-                 skipped: list[Node]) -> None:
-        self.tree, self.row, self.kept, self.skipped = tree, row, kept, skipped
-        self.it: Iterator[Node]
+    def __init__(self, tree: Eviction, row: int | None, kept: bool) -> None:
+        self.tree, self.row, self.kept = tree, row, kept
+        self.skipped: list[Node] = []
         if row is None:
-            self.it = tree._leaves[DEVICE].oldest(lambda n: not n.children)
+            self.heap = tree._leaves[DEVICE]
+            self.it: Iterator[Node] = self.heap.oldest(lambda n: not n.children)
         else:
-            heap = (tree._kept if kept else tree._loose)[DEVICE][row]
-            self.it = heap.oldest(lambda n: tree._has(n, DEVICE, row, kept))
+            self.heap = (tree._kept if kept else tree._loose)[DEVICE][row]
+            self.it = self.heap.oldest(lambda n: tree._has(n, DEVICE, row, kept))
         self.node: Node | None = None
         self.advance()
+
+    def requeue(self) -> None:
+        """The walk is over: its locked nodes and its next one go back to its heap."""
+        for node in (*self.skipped, *((self.node,) if self.node is not None else ())):
+            if node.alive:
+                self.heap.add(node)
 
     def advance(self) -> None:
         for node in self.it:

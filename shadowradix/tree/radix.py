@@ -318,9 +318,10 @@ class ShadowRadix(Eviction):
             seg_keep = self._keep_mask(keep, lo, hi)
             if seg_keep is not None:
                 seg.keep |= seg_keep
-                self._enqueue(seg)
-            if hi <= start:
-                continue  # the borrowed prefix: the request hands over nothing here
+            if hi <= start:  # the borrowed prefix: the request hands over nothing here
+                if seg_keep is not None:
+                    self._enqueue(seg, seg_keep)
+                continue
             give = req >= 0
             slot = seg.slot(tier)
             fill = give & (slot < 0)
@@ -334,7 +335,7 @@ class ShadowRadix(Eviction):
                     self.owners.note(seg, np.where(fill, req, -1))
             if np.count_nonzero(drop):
                 to_free.append(np.where(drop, req, -1))
-            self._enqueue(seg)
+            self._enqueue(seg, fill if seg_keep is None else fill | seg_keep)
         if depth < n:
             req = table[:, depth:]
             if tier == DEVICE:
@@ -558,7 +559,7 @@ class ShadowRadix(Eviction):
         if self.owners is not None:
             self.owners.note(head, head.pages)
         self._n_nodes += 1
-        self._enqueue(head)
+        self._enqueue(head, head.pages >= 0)  # a new node: wherever it holds pages
         return head
 
     def _touch(self, nodes: Iterator[Node] | list[Node]) -> None:
