@@ -9,9 +9,12 @@ call probes the server again.
 Replies are checked against what each command answers (replies.py): one of the wrong
 shape or type is a counted miss ("bad_reply"), never an exception. URL options that
 change what redis-py returns are refused at construction (REPLY_OPTIONS): every key and
-value this backend handles is raw bytes. The wire protocol is left to redis-py (RESP3
-unless the URL says `protocol=2`, which a server older than Redis 6 needs): it does not
-change the replies read here.
+value this backend handles is raw bytes. The wire protocol is left to redis-py (RESP3 in
+redis-py 8, RESP2 before): it does not change the replies read here. A server older
+than Redis 6 refuses RESP3's handshake (HELLO): redis-py 8.2 then falls back to RESP2
+by itself, and where redis-py 8.0 and 8.1 raise the refusal, the backend reopens with
+`protocol=2`. Only a URL that asks for a protocol itself gets the refusal, as a
+ValueError.
 """
 
 from __future__ import annotations
@@ -50,11 +53,16 @@ def check_url_options(url: str) -> None:
                          f"remove it from the URL")
 
 
+class _NoResp3(Exception):
+    """The server refused HELLO 3 on a URL that leaves the protocol to redis-py."""
+
+
 class RedisBackend(StorageBackend):
     """Raises ValueError at construction for a URL option that changes the replies'
     types (REPLY_OPTIONS) or one redis-py does not know, or if the server refuses our
-    credentials or the RESP3 handshake; an unreachable server, or one whose replies
-    make no sense, is only logged and counted (it may come up later)."""
+    credentials, or RESP3's handshake where the URL asks for a protocol; an unreachable
+    server, or one whose replies make no sense, is only logged and counted (it may come
+    up later)."""
 
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: int | None = None,
                  backoff_s: float = 5.0, secret: bytes | str | None = None,
@@ -68,16 +76,29 @@ class RedisBackend(StorageBackend):
         self.deadline_s = check_deadline(timeout_s if deadline_s is None else deadline_s)
         self.breaker = CircuitBreaker(backoff_s)
         self._guarded = Guard(self.errors, self.breaker, reset=self._drop_connections)
+        self._open(url, timeout_s)
+        try:
+            self._ping(url, redis)
+        except _NoResp3:
+            log.warning("storage %s: the server refused RESP3's handshake (older than "
+                        "Redis 6); speaking RESP2 to it", redact(url))
+            self._open(url, timeout_s, protocol=2)
+            self._ping(url, redis)
+
+    def _open(self, url: str, timeout_s: float, **extra: Any) -> None:
+        import redis
+
         try:
             self._client: Any = redis.Redis.from_url(url, **client_options(
-                timeout_s, self.deadline_s, tls=url.startswith("rediss://")))
+                timeout_s, self.deadline_s, tls=url.startswith("rediss://")), **extra)
         except ValueError:  # its message may quote a part of the password
             raise ValueError(f"{redact(url)}: redis-py cannot read this URL; percent-encode "
                              f"'/', '?', '#', '@' and ':' in a user or password "
                              f"(redis://:PASSWORD@HOST:PORT/DB)") from None
-        self._ping(url, redis)
 
     def _ping(self, url: str, redis: Any) -> None:
+        """Raises _NoResp3 when the server refused the RESP3 handshake and the URL left
+        the protocol to redis-py (the caller reopens with RESP2)."""
         try:
             self._client.ping()
         except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
@@ -92,6 +113,8 @@ class RedisBackend(StorageBackend):
                                  f"redis://:PASSWORD@HOST:PORT/DB") from None
             if "HELLO" in str(e).upper():
                 self._client.close()
+                if "protocol" not in parse_qs(urlsplit(url).query):
+                    raise _NoResp3 from None
                 raise ValueError(f"the server at {redact(url)} refused the RESP3 handshake "
                                  f"({e}); a server older than Redis 6 needs ?protocol=2 in "
                                  f"the URL") from None

@@ -34,6 +34,7 @@ RedisCluster asks one node for COMMAND while it is built, its default node (the 
 of the first slot range), and with that master down the whole constructor failed, so
 the store missed everything until it was back. Here COMMAND goes to the first node that
 answers, and a master down at open costs its own slots only, like one that dies later.
+A cluster older than Redis 6 refuses RESP3's handshake (HELLO): it is spoken to in RESP2.
 """
 
 from __future__ import annotations
@@ -212,9 +213,11 @@ class RedisClusterBackend(StorageBackend):
                 raise ValueError(f"the cluster at {self.url} refused the credentials ({e}); "
                                  f"put the right password in the URL: "
                                  f"redis-cluster://:PASSWORD@HOST:PORT,...") from None
-            if at_open and (hello := _naming(e, "HELLO")) is not None:
-                raise ValueError(f"{self.url}: the cluster refused the RESP3 handshake "
-                                 f"({hello}); redis-cluster:// needs Redis 6 or Valkey") from None
+            if at_open and "protocol" not in self._options and _naming(e, "HELLO"):
+                log.warning("storage %s: the cluster refused RESP3's handshake (older than "
+                            "Redis 6); speaking RESP2 to it", self.url)
+                self._options["protocol"] = 2
+                return self._connect(at_open)
             if at_open and "Cluster mode is not enabled" in str(e):
                 raise ValueError(f"{self.url}: the seed is not in cluster mode; for a single "
                                  f"server use redis://HOST:PORT/DB") from None
