@@ -276,13 +276,18 @@ def test_url_options_that_keep_reply_types_are_accepted(fake, options):
     store.close()
 
 
+NO_RESP3 = {"no HELLO": b"-ERR unknown command 'HELLO'\r\n",
+            "no protocol 3": b"-NOPROTO sorry, this protocol version is not supported\r\n"}
+
+
+@pytest.mark.parametrize("refusal", list(NO_RESP3))
 @pytest.mark.parametrize("kind", ["redis", "cluster"])
-def test_a_server_without_resp3_is_spoken_to_in_resp2(fake, kind):
+def test_a_server_without_resp3_is_spoken_to_in_resp2(fake, kind, refusal):
     """redis-py 8 opens every connection with HELLO 3; a server older than Redis 6 answers
     that it knows no such command. redis-py 8.0 and 8.1 raise that out of the open (the
     backend reopens with protocol=2); 8.2 falls back to RESP2 by itself. Either way the
     store serves, and a connection dropped after a bad reply does not ask again."""
-    fake.handshake[b"HELLO"] = b"-ERR unknown command 'HELLO'\r\n"
+    fake.handshake[b"HELLO"] = NO_RESP3[refusal]
     hellos = []
     fake.handshake = _Counting(fake.handshake, hellos)
     store = open_backend(kind, fake)
@@ -298,8 +303,9 @@ def test_a_server_without_resp3_is_spoken_to_in_resp2(fake, kind):
     store.close()
 
 
-def test_a_url_that_asks_for_resp3_gets_the_refusal(fake):
-    fake.handshake[b"HELLO"] = b"-ERR unknown command 'HELLO'\r\n"
+@pytest.mark.parametrize("refusal", list(NO_RESP3))
+def test_a_url_that_asks_for_resp3_gets_the_refusal(fake, refusal):
+    fake.handshake[b"HELLO"] = NO_RESP3[refusal]
     with pytest.raises(ValueError, match="protocol=2"):
         RedisBackend(fake.url + "?protocol=3", timeout_s=0.3)
 

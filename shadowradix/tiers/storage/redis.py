@@ -33,6 +33,7 @@ from shadowradix.tiers.storage.redis_common import (
     client_options,
     log,
     redact,
+    refused_resp3,
     scan_delete,
     store_errors,
     unreachable_errors,
@@ -111,7 +112,7 @@ class RedisBackend(StorageBackend):
                 self._client.close()
                 raise ValueError(f"the server at {redact(url)} needs a password ({e}); use "
                                  f"redis://:PASSWORD@HOST:PORT/DB") from None
-            if "HELLO" in str(e).upper():
+            if refused_resp3(e):
                 self._client.close()
                 if "protocol" not in parse_qs(urlsplit(url).query):
                     raise _NoResp3 from None

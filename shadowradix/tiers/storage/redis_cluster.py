@@ -60,6 +60,7 @@ from shadowradix.tiers.storage.redis_common import (
     log,
     redact,
     refused_credentials,
+    refused_resp3,
     scan_delete,
     store_errors,
     unreachable_errors,
@@ -143,16 +144,6 @@ def client_class() -> Any:
     return Cluster
 
 
-def _naming(e: BaseException | None, word: str) -> BaseException | None:
-    """The first of `e` and the exceptions it was raised from or while handling that
-    names `word`, or None."""
-    while e is not None:
-        if word in str(e):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def cluster_key(key: str) -> str:
     """Where `key` (ns/pool/hash) lives in the cluster: the page hash is the hash tag, so
     the pools of one page share a slot (see the module docstring)."""
@@ -213,7 +204,7 @@ class RedisClusterBackend(StorageBackend):
                 raise ValueError(f"the cluster at {self.url} refused the credentials ({e}); "
                                  f"put the right password in the URL: "
                                  f"redis-cluster://:PASSWORD@HOST:PORT,...") from None
-            if at_open and "protocol" not in self._options and _naming(e, "HELLO"):
+            if at_open and "protocol" not in self._options and refused_resp3(e):
                 log.warning("storage %s: the cluster refused RESP3's handshake (older than "
                             "Redis 6); speaking RESP2 to it", self.url)
                 self._options["protocol"] = 2

@@ -17,8 +17,8 @@ from shadowradix.tiers.storage.breaker import CircuitBreaker
 from shadowradix.tiers.storage.replies import BadReply
 from shadowradix.tiers.storage.urls import redact
 
-__all__ = ["Guard", "client_options", "redact", "refused_credentials", "scan_delete",
-           "store_errors", "unreachable_errors"]
+__all__ = ["Guard", "client_options", "redact", "refused_credentials", "refused_resp3",
+           "scan_delete", "store_errors", "unreachable_errors"]
 log = logging.getLogger("shadowradix.storage")
 T = TypeVar("T")
 
@@ -133,6 +133,17 @@ def refused_credentials(e: BaseException) -> bool:
         if isinstance(e, redis.ResponseError) and ("NOAUTH" in str(e) or "WRONGPASS" in str(e)):
             return True
         e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
+
+
+def refused_resp3(e: BaseException | None) -> bool:
+    """Whether `e` (or what caused it) is the server refusing RESP3's handshake: a server
+    older than Redis 6 knows no HELLO; one that knows it may still refuse protocol 3
+    (NOPROTO)."""
+    while e is not None:
+        if "HELLO" in str(e).upper() or str(e).upper().startswith("NOPROTO"):
+            return True
+        e = e.__cause__ or e.__context__
     return False
 
 
