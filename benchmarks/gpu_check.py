@@ -27,6 +27,13 @@
    strided view of it): six requests in an arena of about 12 pages of every pool, so
    they preempt each other, pages poisoned as they are handed out; alone and over a
    write-back host tier; against transformers, `check_integrity` at the end.
+8. Arena compaction on the device (tree pages moved by a device copy inside the arena's
+   tensor to give frames back, later turns reading them exact), HiSparse beside the arena,
+   and a bfloat16 checkpoint over the arena (bf16 and fp32 pools as views of one uint8
+   tensor) against transformers in bfloat16 on the same device.
+
+Each check runs on its own: one that raises is reported with its traceback and the
+rest still run (a lent device's minutes are few).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -266,53 +275,194 @@ def arena(device: torch.device) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    with tempfile.TemporaryDirectory() as tmp:
-        result = {"device": str(device), "torch": torch.__version__,
-                  "exactness": exactness(device, Path(tmp)),
-                  "online": online(device),
-                  "served": served(device),
-                  "hisparse": hisparse(device, Path(tmp)),
-                  "speculative": speculative(device),
-                  "arena": arena(device),
-                  "loadback": loadback_ratio(str(device))}
-    ok = all(v["max_logit_diff"] <= 1e-4 for v in result["exactness"].values())
-    ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
-                    for v in result["online"].values())
-    ok = ok and result["served"]["greedy_identical"] == result["served"]["requests"]
-    hs = result["hisparse"]
-    ok = ok and hs["tokens_identical"] and hs["max_diff_vs_off"] <= 1e-6 and (
-        hs["max_logit_diff"] <= 1e-4) and hs["c4_pinned"] == (device.type == "cuda")
-    spec = result["speculative"]
-    ok = ok and all(v["tokens_identical"] and v["max_logit_diff"] <= 1e-4
-                    for k, v in spec.items() if k != "off")
-    ok = ok and spec["oracle-7"]["accepted_tokens"] == spec["oracle-7"]["draft_tokens"]
-    ok = ok and all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
-                    and v["tensor_device"].startswith(device.type)
-                    for v in result["arena"].values())
-    result["ok"] = ok
-    print(f"device {device}")
-    for key, v in result["exactness"].items():
-        tiers = v["cached_by_tier"][0]
-        print(f"  {key:26} max |logit diff| {v['max_logit_diff']:.1e}; first request {tiers}")
-    for key, v in result["online"].items():
-        print(f"  online {key:19} max |logit diff| {v['max_logit_diff']:.1e}; {v['finished']} "
-              f"finished, {v['preemptions']} preemptions in {v['steps']} steps")
-    sv = result["served"]
+def _max_diff(model, prompts, results) -> float:
+    diffs = []
+    for t, r in zip(prompts, results, strict=True):
+        n = len(r.output_ids)
+        ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
+        diffs.append((ref.cpu() - r.logits).abs().max().item())
+    return max(diffs)
+
+
+def arena_moves(device: torch.device) -> dict:
+    """Compaction on the device: a tight arena and conversations of uneven lengths leave
+    holes in frames; compaction moves the tree's pages (a device copy inside the one
+    uint8 tensor) to give frames back, and later turns that read the moved pages are
+    exact. Then HiSparse beside the arena (its hot buffers set apart from it)."""
+    model = tiny_model().to(device)
+    probe = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=16))
+    page = sum(probe.layout.page_bytes().values())
+    probe.close()
+    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_bytes=20 * page,
+                                            debug_poison=True), step_tokens=64)
+    chats = [rand_tokens(17 + 13 * (i % 5), 400 + i) for i in range(10)]
+    p = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    worst = 0.0
+    for turn in range(3):
+        for i, prompt in enumerate(chats):
+            r = eng.generate([prompt], p, return_logits=True)[0]
+            worst = max(worst, _max_diff(model, [prompt], [r]))
+            chats[i] = prompt + r.output_ids + rand_tokens(5 + 7 * ((i + turn) % 3), 500 + i)
+        both = [chats[turn], chats[turn + 5]]
+        worst = max(worst, _max_diff(model, both, eng.generate(both, p, return_logits=True)))
+    eng.check_integrity()
+    moved = int(sum(eng._prefix.moved.values()))
+    eng.close()
+    hs = Engine.from_hf(model, CacheConfig(page_size=16, device_bytes=30 * page,
+                                           hisparse_buffer=9, hisparse_requests=2,
+                                           debug_poison=True))
+    prompts = [rand_tokens(70, 90), rand_tokens(50, 91)]
+    hs_diff = _max_diff(model, prompts, hs.generate(
+        prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), return_logits=True))
+    hs.check_integrity()
+    hs.close()
+    return {"compaction": {"max_logit_diff": worst, "pages_moved": moved},
+            "hisparse": {"max_logit_diff": hs_diff}}
+
+
+def arena_bf16(device: torch.device, workdir: Path) -> dict:
+    """A bfloat16 checkpoint over the arena (pools of bf16 and fp32 entries as views of one
+    uint8 tensor) against transformers in bfloat16 on the same device: within 4 bf16 ulps
+    of the largest logit, greedy identical where transformers' top two are clearly apart."""
+    from transformers import DeepseekV4ForCausalLM
+
+    path = workdir / "bf16"
+    tiny_model().save_pretrained(path)
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval().to(device)
+    eng = Engine.from_pretrained(str(path), CacheConfig(page_size=16, device_tokens=16),
+                                 dtype=torch.bfloat16, device=device)
+    page = sum(eng.layout.page_bytes().values())
+    eng.close()
+    eng = Engine.from_pretrained(str(path), CacheConfig(page_size=16, device_bytes=40 * page,
+                                                        debug_poison=True),
+                                 dtype=torch.bfloat16, device=device, step_tokens=29)
+    first = [rand_tokens(75, 3), rand_tokens(40, 5)]
+    cold = eng.generate(first, P, return_logits=True)
+    second = [t + r.output_ids + rand_tokens(11, 4 + i)
+              for i, (t, r) in enumerate(zip(first, cold, strict=True))]
+    hits = eng.generate(second, P, return_logits=True)
+    worst_ulps, greedy_ok = 0.0, True
+    for t, r in zip(first + second, cold + hits, strict=True):
+        n = len(r.output_ids)
+        ref = reference_logits(hf, t + r.output_ids)[len(t) - 1:len(t) - 1 + n].cpu()
+        ulp = 2.0 ** -8 * max(1.0, ref.abs().max().item())
+        worst_ulps = max(worst_ulps, (ref - r.logits).abs().max().item() / ulp)
+        top2 = ref.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 8 * ulp
+        greedy_ok = greedy_ok and torch.equal(r.logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+    eng.check_integrity()
+    eng.close()
+    return {"max_ulps": worst_ulps, "greedy_identical": bool(greedy_ok),
+            "cached_tokens": [r.cached_tokens for r in hits]}
+
+
+def run_section(name: str, fn, *args) -> dict:
+    """One check, timed; a failure is recorded with its traceback and the next check runs
+    (on a lent device every minute counts: one broken path must not hide the others)."""
+    start = time.perf_counter()
+    print(f"[{name}] ...", flush=True)
+    try:
+        out = fn(*args)
+    except Exception as exc:  # report it, run the rest
+        out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        print(out["traceback"], flush=True)
+    seconds = time.perf_counter() - start
+    print(f"[{name}] {seconds:.1f} s", flush=True)
+    return {**out, "seconds": seconds} if isinstance(out, dict) else out
+
+
+def passed(result: dict, device: torch.device) -> dict[str, bool]:
+    """Each section's verdict; a section that raised fails."""
+    ok: dict[str, bool] = {}
+    sections = ("exactness", "online", "served", "hisparse", "speculative", "arena",
+                "arena_moves", "arena_bf16", "loadback")
+    failed = {k for k in sections if "error" in result[k]}
+    for k in failed:
+        ok[k] = False
+    if "exactness" not in failed:
+        ok["exactness"] = all(v["max_logit_diff"] <= 1e-4 for k, v in
+                              result["exactness"].items() if k != "seconds")
+    if "online" not in failed:
+        ok["online"] = all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
+                           for k, v in result["online"].items() if k != "seconds")
+    if "served" not in failed:
+        ok["served"] = result["served"]["greedy_identical"] == result["served"]["requests"]
+    if "hisparse" not in failed:
+        hs = result["hisparse"]
+        ok["hisparse"] = bool(hs["tokens_identical"] and hs["max_diff_vs_off"] <= 1e-6
+                              and hs["max_logit_diff"] <= 1e-4
+                              and hs["c4_pinned"] == (device.type == "cuda"))
+    if "speculative" not in failed:
+        spec = result["speculative"]
+        ok["speculative"] = all(v["tokens_identical"] and v["max_logit_diff"] <= 1e-4
+                                for k, v in spec.items() if k not in ("off", "seconds")) and (
+            spec["oracle-7"]["accepted_tokens"] == spec["oracle-7"]["draft_tokens"])
+    if "arena" not in failed:
+        ok["arena"] = all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
+                          and v["tensor_device"].startswith(device.type)
+                          for k, v in result["arena"].items() if k != "seconds")
+    if "arena_moves" not in failed:
+        am = result["arena_moves"]
+        ok["arena_moves"] = (am["compaction"]["max_logit_diff"] <= 1e-4
+                             and am["compaction"]["pages_moved"] > 0
+                             and am["hisparse"]["max_logit_diff"] <= 1e-4)
+    if "arena_bf16" not in failed:
+        ab = result["arena_bf16"]
+        ok["arena_bf16"] = ab["max_ulps"] <= 4 and ab["greedy_identical"] and all(
+            c > 0 for c in ab["cached_tokens"])
+    if "loadback" not in failed:
+        ok["loadback"] = True
+    return ok
+
+
+def report(result: dict) -> None:
+    print(f"device {result['device']} (torch {result['torch']})")
+    reporters = {"exactness": report_exactness, "online": report_online,
+                 "served": report_served, "hisparse": report_hisparse,
+                 "speculative": report_speculative, "arena": report_arena,
+                 "arena_moves": report_arena_moves, "arena_bf16": report_arena_bf16,
+                 "loadback": report_loadback}
+    for name, reporter in reporters.items():
+        if "error" in result[name]:
+            print(f"  {name:26} FAILED: {result[name]['error']}")
+        else:
+            reporter(result[name])
+    print("OK" if result["ok"] else "FAILED: " + ", ".join(
+        k for k, v in result["passed"].items() if not v))
+
+
+def report_exactness(r: dict) -> None:
+    for key, v in r.items():
+        if key != "seconds":
+            print(f"  {key:26} max |logit diff| {v['max_logit_diff']:.1e}; first request "
+                  f"{v['cached_by_tier'][0]}")
+
+
+def report_online(r: dict) -> None:
+    for key, v in r.items():
+        if key != "seconds":
+            print(f"  online {key:19} max |logit diff| {v['max_logit_diff']:.1e}; "
+                  f"{v['finished']} finished, {v['preemptions']} preemptions in "
+                  f"{v['steps']} steps")
+
+
+def report_served(sv: dict) -> None:
     print(f"  served                     {sv['greedy_identical']}/{sv['requests']} greedy "
           f"answers identical to transformers; {sv['generation_tokens']:.0f} tokens generated")
+
+
+def report_hisparse(hs: dict) -> None:
     ms = hs["forward_ms_per_step"]
     print(f"  hisparse                   max |diff| vs off {hs['max_diff_vs_off']:.1e}, vs "
           f"transformers {hs['max_logit_diff']:.1e}; hit rate {hs['hit_rate']:.2f}, "
           f"{hs['bytes_moved']:,} B moved; forward {ms['on']:.1f} vs {ms['off']:.1f} ms/step; "
           f"C4 pool pinned: {hs['c4_pinned']}")
+
+
+def report_speculative(spec: dict) -> None:
     for key, v in spec.items():
+        if key == "seconds":
+            continue
         if key == "off":
             print(f"  speculative off            {v['steps']} steps, {v['ms_per_token']:.1f} "
                   f"ms/token")
@@ -322,15 +472,56 @@ def main(argv: list[str] | None = None) -> int:
               f"{v['accepted_tokens']}/{v['draft_tokens']} (mean length "
               f"{v['mean_accepted_length'] or 0:.2f}); {v['ms_per_token']:.1f} ms/token "
               f"({v['vs_off']:.2f}x off)")
-    for key, v in result["arena"].items():
-        print(f"  arena {key:20} max |logit diff| {v['max_logit_diff']:.1e}; {v['finished']} "
-              f"finished, {v['preemptions']} preemptions, {v['frames']} frames on "
-              f"{v['tensor_device']}")
-    lb = result["loadback"]
+
+
+def report_arena(r: dict) -> None:
+    for key, v in r.items():
+        if key != "seconds":
+            print(f"  arena {key:20} max |logit diff| {v['max_logit_diff']:.1e}; "
+                  f"{v['finished']} finished, {v['preemptions']} preemptions, {v['frames']} "
+                  f"frames on {v['tensor_device']}")
+
+
+def report_arena_moves(am: dict) -> None:
+    c, h = am["compaction"], am["hisparse"]
+    print(f"  arena compaction           max |logit diff| {c['max_logit_diff']:.1e}; "
+          f"{c['pages_moved']} pages moved")
+    print(f"  arena + hisparse           max |logit diff| {h['max_logit_diff']:.1e}")
+
+
+def report_arena_bf16(ab: dict) -> None:
+    print(f"  arena bf16                 max diff {ab['max_ulps']:.2f} bf16 ulps of the largest "
+          f"logit; greedy identical: {ab['greedy_identical']}; cached {ab['cached_tokens']}")
+
+
+def report_loadback(lb: dict) -> None:
     for case in ("consecutive", "scattered"):
         print(f"  load-back {case:11} {lb[case]['ratio']:.2f}x raw ({lb[case]['GBps']:.1f} vs "
               f"{lb[case]['raw_GBps']:.1f} GB/s, {lb['mover']})")
-    print("OK" if ok else "FAILED")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with tempfile.TemporaryDirectory() as tmp:
+        result = {"device": str(device), "torch": torch.__version__,
+                  "exactness": run_section("exactness", exactness, device, Path(tmp)),
+                  "online": run_section("online", online, device),
+                  "served": run_section("served", served, device),
+                  "hisparse": run_section("hisparse", hisparse, device, Path(tmp)),
+                  "speculative": run_section("speculative", speculative, device),
+                  "arena": run_section("arena", arena, device),
+                  "arena_moves": run_section("arena_moves", arena_moves, device),
+                  "arena_bf16": run_section("arena_bf16", arena_bf16, device, Path(tmp)),
+                  "loadback": run_section("loadback", loadback_ratio, str(device))}
+    result["passed"] = passed(result, device)
+    ok = all(result["passed"].values())
+    result["ok"] = ok
+    report(result)
     write_json(args.json, result)
     return 0 if ok else 1
 

@@ -21,8 +21,9 @@ def tiny_model(layer_types: list[str] | None = None, window: int = 8, hca_ratio:
 
 @torch.no_grad()
 def reference_logits(model, tokens: list[int]) -> torch.Tensor:
-    """transformers' uncached forward over the whole sequence: the ground truth."""
-    return model(torch.tensor([tokens])).logits[0].float()
+    """transformers' uncached forward over the whole sequence, on the model's device: the
+    ground truth."""
+    return model(torch.tensor([tokens], device=model.device)).logits[0].float()
 
 
 def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
