@@ -45,7 +45,7 @@ def model():
 
 def turn_two(model, policy: str, step: int):
     """An engine whose device lost turn one (the host holds it), and turn two's prompts."""
-    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=128, host_tokens=1024,
+    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=64, host_tokens=1024,
                                             write_policy=policy, debug_poison=True),
                          step_tokens=step)
     convs = [rand_tokens(40 + 6 * i, 900 + i) for i in range(3)]

@@ -122,9 +122,10 @@ def test_a_state_pool_much_smaller_than_the_sequence_stays_exact_and_resumes(mod
 
 
 def test_more_requests_than_the_device_holds_finish_exact_with_preemptions(model):
-    """Eight requests whose decodes outgrow a 24-page device: the newest are preempted
-    and resume from what the cache still holds; none raises, all are exact."""
-    eng = online(model, step_tokens=48, device_tokens=384)
+    """Eight requests whose decodes outgrow a device of 6 pages of every pool (11 frames of
+    its arena): the newest are preempted and resume from what the cache still holds; none
+    raises, all are exact."""
+    eng = online(model, step_tokens=48, device_tokens=96)
     p = SamplingParams(max_new_tokens=40, ignore_eos=True)
     prompts = submit(eng, [rand_tokens(20 + 3 * i, 400 + i) for i in range(8)], p)
     results: dict = {}
@@ -138,12 +139,13 @@ def test_more_requests_than_the_device_holds_finish_exact_with_preemptions(model
 
 def test_a_request_that_can_never_fit_is_refused_and_the_cache_survives(model):
     eng = online(model, device_tokens=256)
+    longest = eng.max_sequence_len()
     first = rand_tokens(70, 500)
     (r0,) = eng.generate([first], SamplingParams(max_new_tokens=2, ignore_eos=True))
     with pytest.raises(ValueError, match="device"):
-        eng.add_request(rand_tokens(400, 501), SamplingParams(max_new_tokens=2))
+        eng.add_request(rand_tokens(longest, 501), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="prompt 1"):
-        eng.generate([first, rand_tokens(400, 502)])
+        eng.generate([first, rand_tokens(longest, 502)])
     (r1,) = eng.generate([first + r0.output_ids + [3]], SamplingParams(max_new_tokens=2),
                          return_logits=True)
     assert r1.cached_tokens == 64  # the earlier prefix still hits
@@ -201,7 +203,7 @@ def test_seeded_sampling_draws_the_same_tokens_across_preemption(model):
                        ignore_eos=True)
     prompts = [rand_tokens(25 + i, 800 + i) for i in range(6)]
     roomy = online(model).generate(prompts, p)
-    tight = online(model, step_tokens=32, device_tokens=256)
+    tight = online(model, step_tokens=32, device_tokens=64)
     squeezed = tight.generate(prompts, p)
     assert tight.stats()["preemptions"] > 0
     assert [r.output_ids for r in squeezed] == [r.output_ids for r in roomy]

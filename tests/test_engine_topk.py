@@ -70,7 +70,7 @@ def test_a_prefix_cache_hit_records_its_decode_steps_and_selects_the_same(model)
 def test_preempted_requests_still_record_one_step_per_output(model):
     """Preemption recomputes a request; the query at its last output is recorded once,
     whether fed alone or at the end of a recompute chunk."""
-    eng = engine(model, True, step_tokens=48, device_tokens=384)
+    eng = engine(model, True, step_tokens=48, device_tokens=96)
     p = SamplingParams(max_new_tokens=40, ignore_eos=True)
     prompts = [rand_tokens(20 + 3 * i, 400 + i) for i in range(8)]
     results = eng.generate(prompts, p)

@@ -23,7 +23,9 @@ class HiSparseMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        base = {"page_size": 16, "device_tokens": 384}
+        # Fixed pools (window_tokens set): HiSparse takes the C4 pool out of an arena, so
+        # over one the two engines would hold different pages and preempt differently.
+        base = {"page_size": 16, "device_tokens": 384, "window_tokens": 384}
         self.off = Engine(MODEL, CacheConfig(**base), step_tokens=48)
         # Enough hot-buffer sets never to hold back admission: the steps then batch the
         # same requests, so even float rounding must agree.

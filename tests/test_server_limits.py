@@ -28,7 +28,7 @@ BODY_BYTES = 3_000_000
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread.from_args("--model", "tiny", "--api-key", KEY,
+    srv = ServerThread.from_args("--model", "tiny", "--api-key", KEY, "--device-tokens", "4096",
                                  "--max-choices", str(MAX_CHOICES),
                                  "--max-body-bytes", str(BODY_BYTES),
                                  "--read-timeout", str(READ_TIMEOUT),

@@ -375,7 +375,7 @@ def test_preemption_with_drafts_stays_exact(model, kind, k):
     for p, rid in zip(prompts, ids, strict=True):
         t.add(p, base.results[rid].output_ids)
     prop = proposer_for(kind, t, k)
-    eng = make(model, spec(prop, k), device_tokens=224, step_tokens=40)
+    eng = make(model, spec(prop, k), device_tokens=64, step_tokens=40)
     ids, run = online(eng, prompts, params)
     assert eng.stats()["preemptions"] > 0
     for p, rid in zip(prompts, ids, strict=True):

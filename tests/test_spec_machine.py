@@ -291,7 +291,10 @@ class LockstepMachine(RuleBasedStateMachine):
 
 
 class Tight(LockstepMachine):
-    """An 8-page device: requests preempt each other; aborts and flushes."""
+    """A device of 3 pages of every pool (7 frames of its arena): requests preempt each
+    other; aborts and flushes."""
+
+    config: ClassVar[dict] = {"device_tokens": 48}
 
 
 class HostAndStorage(LockstepMachine):
@@ -334,7 +337,7 @@ TestRoomy.settings = steps(2)
 @pytest.mark.parametrize("kind,k", [("wrong", 7), ("oracle", 3), ("ngram", 5)])
 def test_a_fixed_lockstep_run_under_preemption(kind, k):
     """The machine's checks on fixed traffic that always preempts: five requests, some
-    sharing prefixes, in the 8-page device."""
+    sharing prefixes, in the tight device."""
     machine = Tight()
     machine.start(kind, k, 0, (1, 3))
     g = torch.Generator().manual_seed(5)

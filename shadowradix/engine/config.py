@@ -40,12 +40,16 @@ class CacheConfig:
     """How much cache the engine keeps, and where.
 
     page_size: tokens per logical page (a multiple of every compression ratio).
-    device_tokens: L1 capacity in logical tokens; every pool is sized from it (a fixed
-        share each), unless `device_bytes` is set.
+    device_tokens: L1 capacity in logical tokens, a shorthand for `device_bytes`: the bytes
+        that many tokens take in every pool (whole frames, HiSparse's hot buffers besides),
+        as one arena. One request may hold more tokens than this (it keeps only its
+        window's pages of the sliding-window pool); `Engine.max_sequence_len` says how
+        many. With `window_tokens` or `state_tokens` set, every pool is instead a fixed
+        tensor of its own sized from it (the layout before the arena, for comparison).
     device_bytes: L1 capacity in bytes, one arena every device pool draws its pages from
         (pool/arena.py), so the window pool grows and shrinks against the others with what
-        the workload uses; HiSparse's hot buffers are set apart from it. None: pools sized
-        from `device_tokens`. With it, `window_tokens` and `state_tokens` must be None, and
+        the workload uses; HiSparse's hot buffers are set apart from it. None: the bytes
+        of `device_tokens`. With it, `window_tokens` and `state_tokens` must be None, and
         `device_tokens` sizes only the C4 pool HiSparse keeps in host memory.
     host_tokens: L2 capacity in logical tokens (0: no host tier). Host pools mirror
         the device pools; pages evicted from the device stay reusable from there.
@@ -75,15 +79,17 @@ class CacheConfig:
     hisparse_requests: with HiSparse, how many hot-buffer sets the device holds: at most
         this many requests run at once. None: as many as fit in the bytes the C4 pool
         would have taken on the device (so turning HiSparse on never grows device memory).
-    window_tokens: the sliding-window pool's size in tokens, set apart from
-        `device_tokens` (None: the same). A running request keeps only its window and
+    window_tokens: the sliding-window pool's size in tokens, a fixed pool of its own
+        (None: the arena). Setting it, or `state_tokens`, makes every pool fixed, sized
+        from `device_tokens` unless set apart here. A running request keeps only its window and
         resume pages there, so a window pool several times smaller than the sequences
         it serves is enough; the rest of it caches windows for later hits.
     state_tokens: the compressor-state pool's size, in tokens of sequence it can checkpoint
-        (one entry per page: state_tokens / page_size entries), set apart from
-        `device_tokens` (None: the same). A running request holds only the pages of its
-        resume point and the one it is writing, and the tree one per kept checkpoint, so a
-        pool far smaller than the sequences is enough; the bytes go to the other pools.
+        (one entry per page: state_tokens / page_size entries), a fixed pool of its own
+        (None: the arena, or `device_tokens` where `window_tokens` is set). A running
+        request holds only the pages of its resume point and the one it is writing, and the
+        tree one per kept checkpoint, so a pool far smaller than the sequences is enough;
+        the bytes go to the other pools.
     policy: which resume points the tree keeps (tree/policy.py): "shadowradix", the
         default (sequence ends, branch points, learned offsets before sequence ends, every
         16 pages), or a static setting for comparison: "end-only", "periodic-K",

@@ -36,7 +36,7 @@ from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.model.mtp import MTPBlock, load_mtp
 from shadowradix.model.mtp_runner import MTPRunner
-from shadowradix.pool.arena import Arena
+from shadowradix.pool.arena import Arena, arena_bytes
 from shadowradix.sparse import AccessStream
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
 from shadowradix.tiers.host_tier import HostTier
@@ -91,14 +91,19 @@ class Engine:
         self._c4_ratio = int(self.layout.pool("c4").ratio or 1) if self._csa_layers else 1
         self._check_hisparse(config)
         resident = ("c4",) if config.hisparse_buffer is not None else ()
+        in_arena = [n for n in self.layout.pool_names if n not in resident]
+        self.device_bytes = config.device_bytes
+        if self.device_bytes is None and config.window_tokens is config.state_tokens is None:
+            # device_tokens as a shorthand: the bytes that many tokens take in every pool
+            self.device_bytes = arena_bytes(self.layout, pages, in_arena,
+                                            self._hot_bytes(config, pages))
         arena = None
-        if config.device_bytes is not None:
+        if self.device_bytes is not None:
             try:
-                arena = Arena(self.layout, config.device_bytes, self.device,
-                              names=[n for n in self.layout.pool_names if n not in resident],
+                arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
                               reserved_bytes=self._hot_bytes(config, pages))
             except ValueError as e:
-                raise ValueError(f"device_bytes={config.device_bytes}: {e}") from None
+                raise ValueError(f"device_bytes={self.device_bytes}: {e}") from None
         self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
                                    device=self.device, host_pages=host_pages,
                                    in_host_memory=resident, arena=arena)
@@ -233,10 +238,16 @@ class Engine:
             req.topk = {}
         if not self.scheduler.fits_ever(req):
             need = self.manager.peak_pages(req.max_tokens)  # its chunks cut to fit
-            have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
+            arena = self._prefix.arena
+            if arena is None:
+                have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
+                room = f"the device pools hold {have}"
+            else:
+                room = (f"the device arena ({arena.frames} frames of "
+                        f"{arena.plan.frame_bytes} bytes) holds at most "
+                        f"{self.max_sequence_len()} tokens of one request")
             raise ValueError(f"{label}: {req.prompt_len} tokens + max_new_tokens "
-                             f"{p.max_new_tokens} need up to {need} pages at once; the device "
-                             f"pools hold {have}")
+                             f"{p.max_new_tokens} need up to {need} pages at once; {room}")
         self._requests[rid] = req
         self.scheduler.waiting.append(req)
         return rid

@@ -99,6 +99,19 @@ def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> Frame
     return FramePlan(frame, cut, {n: frame // k for n, k in cut.items()})
 
 
+def arena_bytes(layout: KVLayout, pages: Mapping[str, int],
+                names: Collection[str] | None = None, reserved_bytes: int = 0) -> int:
+    """The bytes of an arena over `layout`'s pools `names` (None: all) that holds `pages`
+    of each at once, every pool's pages packed in frames of its own, beside
+    `reserved_bytes`: what fixed pools of those sizes hold, rounded up to whole frames.
+    `CacheConfig.device_tokens` is this shorthand for a byte budget."""
+    plan = plan_frames(layout, names)
+    fb = plan.frame_bytes
+    frames = sum(-(-pages[n] // k) for n, k in plan.per_frame.items())
+    reserved = -(-reserved_bytes // fb) if reserved_bytes > 0 else 0
+    return (frames + reserved) * fb
+
+
 def _per_frame(frame: int, page_bytes: int, entry_bytes: int) -> int:
     """The most pages of `page_bytes` a frame holds at one stride that divides it and is a
     multiple of `entry_bytes`; 0 if none."""

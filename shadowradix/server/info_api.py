@@ -73,7 +73,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     return {"model_type": getattr(hf, "model_type", None),
             "architectures": getattr(hf, "architectures", None),
             "page_size": c.page_size, "max_total_num_tokens": c.device_tokens,
-            "device_bytes": c.device_bytes,
+            "device_bytes": engine.device_bytes,
             "arena": engine.arena_info(),
             "window_tokens": c.window_tokens, "state_tokens": c.state_tokens,
             "host_tokens": c.host_tokens,

@@ -54,15 +54,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--page-size", type=positive_int, default=None,
                     help="tokens per page (default: 16 for tiny, 256 otherwise)")
     ap.add_argument("--device-tokens", type=positive_int, default=None,
-                    help="L1 capacity in tokens (default: 2048 pages)")
+                    help="L1 capacity in tokens: the bytes that many tokens take in every "
+                    "pool, as one arena (default: 2048 pages)")
     ap.add_argument("--device-bytes", type=byte_size, default=None, metavar="SIZE",
                     help="L1 as one byte budget that every pool draws pages from (40GiB, "
                     "512MiB, ...): the window pool grows and shrinks with the workload; "
                     "instead of --window-tokens / --state-tokens")
     ap.add_argument("--window-tokens", type=positive_int, default=None,
-                    help="sliding-window pool size in tokens (default: --device-tokens)")
+                    help="sliding-window pool of its own, in tokens: every pool then a fixed "
+                    "tensor (default: none, the arena)")
     ap.add_argument("--state-tokens", type=positive_int, default=None,
-                    help="compressor-state pool in tokens (default: --device-tokens)")
+                    help="compressor-state pool of its own, in tokens: every pool then a "
+                    "fixed tensor (default: none, the arena)")
     ap.add_argument("--host-tokens", type=non_negative_int, default=0,
                     help="L2 capacity; 0: no host tier")
     ap.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
