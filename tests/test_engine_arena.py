@@ -141,6 +141,32 @@ def test_device_bytes_excludes_pools_of_their_own():
             CacheConfig(device_bytes=bad)
 
 
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+@pytest.mark.parametrize("hisparse", [None, 5])
+@pytest.mark.parametrize("policy", ["shadowradix", "no-shadows"])
+def test_device_tokens_alone_is_an_arena_holding_what_fixed_pools_of_it_held(
+        model, page_size, hisparse, policy):
+    """CacheConfig(device_tokens=T) is the arena of the bytes T tokens take in every pool:
+    at least the fixed pools' bytes (window_tokens set), a few frames more at most, and
+    never a shorter longest request, however few pages T is."""
+    for pages in (1, 2, 3, 4, 8, 32):
+        cfg = dict(page_size=page_size, device_tokens=pages * page_size,
+                   hisparse_buffer=hisparse, policy=policy)
+        arena = Engine.from_hf(model, CacheConfig(**cfg))
+        fixed = Engine.from_hf(model, CacheConfig(**cfg, window_tokens=pages * page_size))
+        info = arena.arena_info()
+        assert info is not None and fixed.arena_info() is None
+        assert arena.status()["arena_bytes"] is not None
+        held = sum(pool.num_pages * arena.layout.pool(name).page_bytes(page_size)
+                   for name, pool in fixed._prefix.pools.items()
+                   if name in arena._prefix.arena.names)
+        hot = info["reserved_bytes"]
+        assert (hisparse is not None) == (hot > 0)
+        slack = (len(arena.layout.pools) + 2 * len(arena.layout.pools)) * info["frame_bytes"]
+        assert held + hot <= arena.device_bytes <= held + hot + slack
+        assert arena.max_sequence_len() >= fixed.max_sequence_len(), cfg
+
+
 @pytest.mark.parametrize("host_tokens", [0, 640])
 def test_engine_and_simulator_cache_the_same_tokens_over_one_arena(model, host_tokens):
     step = 48

@@ -46,6 +46,7 @@ from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
 from shadowradix.tree.policy import named_policy
+from shadowradix.tree.rules import MatchRule
 
 READ_POLL_S = 0.01  # a step with only storage reads to wait for waits this long at most
 
@@ -96,7 +97,8 @@ class Engine:
         if self.device_bytes is None and config.window_tokens is config.state_tokens is None:
             # device_tokens as a shorthand: the bytes that many tokens take in every pool
             self.device_bytes = arena_bytes(self.layout, pages, in_arena,
-                                            self._hot_bytes(config, pages))
+                                            self._hot_bytes(config, pages),
+                                            self._resume_pages(config, pages))
         arena = None
         if self.device_bytes is not None:
             try:
@@ -136,6 +138,17 @@ class Engine:
         self._ids = itertools.count()
         self._busy = threading.Lock()
         self._closed = False
+
+    def _resume_pages(self, config: CacheConfig, pages: dict[str, int]) -> dict[str, int]:
+        """Per window and state pool, the pages a request alone holds there at most (the
+        `hold` pages of its resume point and one more, CacheManager.peak_pages), which may
+        sit one to an arena frame; none when the policy keeps no tombstones (every pool
+        then holds every page)."""
+        if not named_policy(config.policy).tombstones:
+            return {}
+        hold = MatchRule.of(self.layout).lock_pages
+        return {p.name: min(pages[p.name], hold + 1) for p in self.layout.pools
+                if p.retention is not Retention.ALL}
 
     def _check_hisparse(self, config: CacheConfig) -> None:
         if config.hisparse_buffer is None:

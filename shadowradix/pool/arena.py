@@ -100,14 +100,19 @@ def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> Frame
 
 
 def arena_bytes(layout: KVLayout, pages: Mapping[str, int],
-                names: Collection[str] | None = None, reserved_bytes: int = 0) -> int:
+                names: Collection[str] | None = None, reserved_bytes: int = 0,
+                spread: Mapping[str, int] | None = None) -> int:
     """The bytes of an arena over `layout`'s pools `names` (None: all) that holds `pages`
     of each at once, every pool's pages packed in frames of its own, beside
     `reserved_bytes`: what fixed pools of those sizes hold, rounded up to whole frames.
-    `CacheConfig.device_tokens` is this shorthand for a byte budget."""
+    A pool in `spread` gets at least that many frames: the pages a request holds there
+    may sit one to a frame (its window and resume state: see PrefixCache.fits_arena), so
+    a request that fits the fixed pools fits the arena too. `CacheConfig.device_tokens` is
+    this shorthand for a byte budget."""
     plan = plan_frames(layout, names)
     fb = plan.frame_bytes
-    frames = sum(-(-pages[n] // k) for n, k in plan.per_frame.items())
+    spread = spread or {}
+    frames = sum(max(-(-pages[n] // k), spread.get(n, 0)) for n, k in plan.per_frame.items())
     reserved = -(-reserved_bytes // fb) if reserved_bytes > 0 else 0
     return (frames + reserved) * fb
 
