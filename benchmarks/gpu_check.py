@@ -380,11 +380,11 @@ def passed(result: dict, device: torch.device) -> dict[str, bool]:
     for k in failed:
         ok[k] = False
     if "exactness" not in failed:
-        ok["exactness"] = all(v["max_logit_diff"] <= 1e-4 for k, v in
-                              result["exactness"].items() if k != "seconds")
+        ok["exactness"] = all(v["max_logit_diff"] <= 1e-4
+                              for _, v in cases(result["exactness"]))
     if "online" not in failed:
         ok["online"] = all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
-                           for k, v in result["online"].items() if k != "seconds")
+                           for _, v in cases(result["online"]))
     if "served" not in failed:
         ok["served"] = result["served"]["greedy_identical"] == result["served"]["requests"]
     if "hisparse" not in failed:
@@ -395,12 +395,12 @@ def passed(result: dict, device: torch.device) -> dict[str, bool]:
     if "speculative" not in failed:
         spec = result["speculative"]
         ok["speculative"] = all(v["tokens_identical"] and v["max_logit_diff"] <= 1e-4
-                                for k, v in spec.items() if k not in ("off", "seconds")) and (
+                                for k, v in cases(spec) if k != "off") and (
             spec["oracle-7"]["accepted_tokens"] == spec["oracle-7"]["draft_tokens"])
     if "arena" not in failed:
         ok["arena"] = all(v["max_logit_diff"] <= 1e-4 and v["finished"] == 6
                           and v["tensor_device"].startswith(device.type)
-                          for k, v in result["arena"].items() if k != "seconds")
+                          for _, v in cases(result["arena"]))
     if "arena_moves" not in failed:
         am = result["arena_moves"]
         ok["arena_moves"] = (am["compaction"]["max_logit_diff"] <= 1e-4
@@ -431,19 +431,21 @@ def report(result: dict) -> None:
         k for k, v in result["passed"].items() if not v))
 
 
+def cases(section: dict) -> list[tuple[str, dict]]:
+    """A section's cases (its "seconds" left out)."""
+    return [(k, v) for k, v in section.items() if k != "seconds"]
+
+
 def report_exactness(r: dict) -> None:
-    for key, v in r.items():
-        if key != "seconds":
-            print(f"  {key:26} max |logit diff| {v['max_logit_diff']:.1e}; first request "
-                  f"{v['cached_by_tier'][0]}")
+    for key, v in cases(r):
+        print(f"  {key:26} max |logit diff| {v['max_logit_diff']:.1e}; first request "
+              f"{v['cached_by_tier'][0]}")
 
 
 def report_online(r: dict) -> None:
-    for key, v in r.items():
-        if key != "seconds":
-            print(f"  online {key:19} max |logit diff| {v['max_logit_diff']:.1e}; "
-                  f"{v['finished']} finished, {v['preemptions']} preemptions in "
-                  f"{v['steps']} steps")
+    for key, v in cases(r):
+        print(f"  online {key:19} max |logit diff| {v['max_logit_diff']:.1e}; "
+              f"{v['finished']} finished, {v['preemptions']} preemptions in {v['steps']} steps")
 
 
 def report_served(sv: dict) -> None:
@@ -460,9 +462,7 @@ def report_hisparse(hs: dict) -> None:
 
 
 def report_speculative(spec: dict) -> None:
-    for key, v in spec.items():
-        if key == "seconds":
-            continue
+    for key, v in cases(spec):
         if key == "off":
             print(f"  speculative off            {v['steps']} steps, {v['ms_per_token']:.1f} "
                   f"ms/token")
@@ -475,11 +475,10 @@ def report_speculative(spec: dict) -> None:
 
 
 def report_arena(r: dict) -> None:
-    for key, v in r.items():
-        if key != "seconds":
-            print(f"  arena {key:20} max |logit diff| {v['max_logit_diff']:.1e}; "
-                  f"{v['finished']} finished, {v['preemptions']} preemptions, {v['frames']} "
-                  f"frames on {v['tensor_device']}")
+    for key, v in cases(r):
+        print(f"  arena {key:20} max |logit diff| {v['max_logit_diff']:.1e}; "
+              f"{v['finished']} finished, {v['preemptions']} preemptions, {v['frames']} "
+              f"frames on {v['tensor_device']}")
 
 
 def report_arena_moves(am: dict) -> None:
