@@ -56,9 +56,12 @@ def run_exact(model, eng: Engine, prompts: list[list[int]]) -> None:
 
 
 def host_engine(model, policy: str) -> Engine:
-    return Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=128, host_tokens=1024,
-                                             write_policy=policy, write_hit_threshold=1,
-                                             debug_poison=True), step_tokens=24)
+    """Fixed pools (window_tokens set): the copies these tests count and fail are those of
+    an 8-page device (tests/test_arena_default_attack.py faults the arena over a host)."""
+    return Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=128, window_tokens=128,
+                                             host_tokens=1024, write_policy=policy,
+                                             write_hit_threshold=1, debug_poison=True),
+                          step_tokens=24)
 
 
 def turn_two(model, policy: str) -> tuple[Engine, list[list[int]]]:

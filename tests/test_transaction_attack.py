@@ -60,7 +60,7 @@ def test_fault_inside_preempt_leaves_request_running_on_a_released_lease():
     in `running` holding a dead lease whose pages went back to the free list. The retry
     runs it on those freed pages (grow on a dead lease, cache_prefix/finish of a
     released lease)."""
-    eng = Engine(MODEL, CacheConfig(page_size=16, device_tokens=96, debug_poison=True),
+    eng = Engine(MODEL, CacheConfig(page_size=16, device_tokens=64, debug_poison=True),
                  step_tokens=24)
     prompts = [rand_tokens(40, 100 + i) for i in range(3)]
     n = 24

@@ -249,6 +249,10 @@ class Engine:
         req = Request(rid, ids, len(ids), p, gen, return_logits)
         if self.record_topk:
             req.topk = {}
+        if req.prompt_len + p.max_new_tokens > self._positions():
+            raise ValueError(f"{label}: {req.prompt_len} tokens + max_new_tokens "
+                             f"{p.max_new_tokens} pass the model's {self._positions()} "
+                             f"positions (max_position_embeddings)")
         if not self.scheduler.fits_ever(req):
             need = self.manager.peak_pages(req.max_tokens)  # its chunks cut to fit
             arena = self._prefix.arena
@@ -256,9 +260,12 @@ class Engine:
                 have = {n: pool.num_pages for n, pool in self._prefix.pools.items()}
                 room = f"the device pools hold {have}"
             else:
-                room = (f"the device arena ({arena.frames} frames of "
-                        f"{arena.plan.frame_bytes} bytes) holds at most "
-                        f"{self.max_sequence_len()} tokens of one request")
+                apart = [f"the {n} pool in host memory ({pool.num_pages} pages)"
+                         for n, pool in self._prefix.pools.items() if n not in arena.names]
+                room = (f"the device arena ({arena.frames} frames of {arena.plan.frame_bytes} "
+                        f"bytes){''.join(' and ' + a for a in apart)} "
+                        f"{'hold' if apart else 'holds'} at most {self.max_sequence_len()} "
+                        f"tokens of one request")
             raise ValueError(f"{label}: {req.prompt_len} tokens + max_new_tokens "
                              f"{p.max_new_tokens} need up to {need} pages at once; {room}")
         self._requests[rid] = req
@@ -680,8 +687,7 @@ class Engine:
     def max_sequence_len(self) -> int:
         """The longest prompt + output one request can ever hold: the device pools with
         nothing else cached, and the model's positions."""
-        limit = int(getattr(self.runner.config, "max_position_embeddings", 0) or 2**31)
-        lo, hi = 0, limit  # fits(lo) holds; the answer is in [lo, hi]
+        lo, hi = 0, self._positions()  # fits(lo) holds; the answer is in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.manager.fits_ever(mid - 1):  # KV for mid - 1, as add_request checks
@@ -689,6 +695,10 @@ class Engine:
             else:
                 hi = mid - 1
         return lo
+
+    def _positions(self) -> int:
+        """The longest prompt + output the model's positions allow."""
+        return int(getattr(self.runner.config, "max_position_embeddings", 0) or 2**31)
 
     def check_integrity(self) -> None:
         """Every page has exactly one owner (the tree, a running request, a free list) in

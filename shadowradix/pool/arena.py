@@ -101,20 +101,26 @@ def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> Frame
 
 def arena_bytes(layout: KVLayout, pages: Mapping[str, int],
                 names: Collection[str] | None = None, reserved_bytes: int = 0,
-                spread: Mapping[str, int] | None = None) -> int:
-    """The bytes of an arena over `layout`'s pools `names` (None: all) that holds `pages`
-    of each at once, every pool's pages packed in frames of its own, beside
-    `reserved_bytes`: what fixed pools of those sizes hold, rounded up to whole frames.
-    A pool in `spread` gets at least that many frames: the pages a request holds there
-    may sit one to a frame (its window and resume state: see PrefixCache.fits_arena), so
-    a request that fits the fixed pools fits the arena too. `CacheConfig.device_tokens` is
-    this shorthand for a byte budget."""
+                held: Mapping[str, int] | None = None) -> int:
+    """The bytes of an arena over `layout`'s pools `names` (None: all) in place of fixed
+    pools of `pages` each, beside `reserved_bytes` (set apart in whole frames, so the pools
+    may get up to a frame less): the fixed pools' and the reserved bytes in whole frames,
+    or, where that is more, the frames one request that fills the fixed pools holds alone,
+    so that it fits the arena too: every page of a pool not in `held` (packed: a request
+    allocates them in order), and a frame for each of the `held[pool]` pages it holds of a
+    pool in `held` (its window and resume state, which come and go beside the tree's copies
+    and may sit one to a frame: PrefixCache.fits_arena). The second is more only where the
+    frames' slack (their bytes past their last page) outweighs the window pages such a
+    request lets go: pools of a few pages, or a policy without tombstones (`held` empty:
+    the request holds every page of every pool). `CacheConfig.device_tokens` is this
+    shorthand for a byte budget."""
     plan = plan_frames(layout, names)
     fb = plan.frame_bytes
-    spread = spread or {}
-    frames = sum(max(-(-pages[n] // k), spread.get(n, 0)) for n, k in plan.per_frame.items())
+    held = held or {}
+    fixed = sum(pages[n] * layout.pool(n).page_bytes(layout.page_size) for n in plan.per_frame)
+    alone = sum(held[n] if n in held else -(-pages[n] // k) for n, k in plan.per_frame.items())
     reserved = -(-reserved_bytes // fb) if reserved_bytes > 0 else 0
-    return (frames + reserved) * fb
+    return max(-(-(fixed + max(reserved_bytes, 0)) // fb), alone + reserved) * fb
 
 
 def _per_frame(frame: int, page_bytes: int, entry_bytes: int) -> int:
