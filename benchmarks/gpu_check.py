@@ -62,6 +62,25 @@ from shadowradix.model.mtp import random_mtp
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
 
+def max_logit_diff(model, prompts, results) -> float:
+    """The largest |logit diff| of the results against transformers' uncached forward of
+    each prompt and its outputs (on the model's device)."""
+    diffs = []
+    for t, r in zip(prompts, results, strict=True):
+        n = len(r.output_ids)
+        ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
+        diffs.append((ref.cpu() - r.logits).abs().max().item())
+    return max(diffs)
+
+
+def page_bytes(model) -> int:
+    """Bytes of one logical page of every pool of `model` at page size 16."""
+    probe = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=16))
+    page = sum(probe.layout.page_bytes().values())
+    probe.close()
+    return page
+
+
 def exactness(device: torch.device, workdir: Path) -> dict:
     model = tiny_model().to(device)
     convs = [rand_tokens(40 + 9 * i, 300 + i) for i in range(4)]
@@ -80,13 +99,8 @@ def exactness(device: torch.device, workdir: Path) -> dict:
         served["storage"] = fresh.generate(turn2, P, return_logits=True)
         fresh.close()
         for tier, results in served.items():
-            diffs = []
-            for t, r in zip(turn2, results, strict=True):
-                n = len(r.output_ids)
-                ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
-                diffs.append((ref.cpu() - r.logits).abs().max().item())
             out[f"{policy}/{tier}"] = {
-                "max_logit_diff": max(diffs),
+                "max_logit_diff": max_logit_diff(model, turn2, results),
                 "cached_by_tier": [r.cached_by_tier for r in results]}
     return out
 
@@ -113,14 +127,10 @@ def online(device: torch.device) -> dict:
                 late = rand_tokens(45, 600)
                 prompts[eng.add_request(late, p, return_logits=True)] = late
             eng.check_integrity()
-        diffs = []
-        for rid, r in results.items():
-            t, n = prompts[rid], len(r.output_ids)
-            ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
-            diffs.append((ref.cpu() - r.logits).abs().max().item())
+        diff = max_logit_diff(model, [prompts[rid] for rid in results], results.values())
         st = eng.stats()
         eng.close()
-        out[policy] = {"max_logit_diff": max(diffs), "finished": len(results),
+        out[policy] = {"max_logit_diff": diff, "finished": len(results),
                        "preemptions": st["preemptions"], "steps": steps}
     return out
 
@@ -181,12 +191,7 @@ def hisparse(device: torch.device, workdir: Path) -> dict:
         runs[mode] = (first + second + third, st)
     results_off, _ = runs["off"]
     results_on, st = runs["on"]
-    seqs = prompts + turn2 + turn2
-    ref_diff = 0.0
-    for t, r in zip(seqs, results_on, strict=True):
-        n = len(r.output_ids)
-        ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
-        ref_diff = max(ref_diff, (ref.cpu() - r.logits).abs().max().item())
+    ref_diff = max_logit_diff(model, prompts + turn2 + turn2, results_on)
     hs = st["hisparse"]
     seconds = {m: runs[m][1]["forward_seconds"] / max(runs[m][1]["steps"], 1) for m in runs}
     return {**out,
@@ -232,11 +237,7 @@ def speculative(device: torch.device) -> dict:
     for name, spec in (("ngram-3", SpecConfig("ngram", 3)), ("mtp-3", SpecConfig("mtp", 3)),
                        ("oracle-7", SpecConfig("custom", 7, proposer=oracle))):
         results, st, secs = run(spec)
-        ref_diff = 0.0
-        for t, r in zip(prompts, results, strict=True):
-            n = len(r.output_ids)
-            ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
-            ref_diff = max(ref_diff, (ref.cpu() - r.logits).abs().max().item())
+        ref_diff = max_logit_diff(model, prompts, results)
         out[name] = {"tokens_identical": all(a.output_ids == b.output_ids
                                              for a, b in zip(base, results, strict=True)),
                      "max_logit_diff": ref_diff, "steps": st["steps"],
@@ -249,9 +250,7 @@ def speculative(device: torch.device) -> dict:
 
 def arena(device: torch.device) -> dict:
     model = tiny_model().to(device)
-    probe = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=16))
-    page = sum(probe.layout.page_bytes().values())  # one logical page of every pool
-    probe.close()
+    page = page_bytes(model)
     out = {}
     for host in (0, 1024):
         extra = {"host_tokens": host, "write_policy": "write_back"} if host else {}
@@ -260,28 +259,15 @@ def arena(device: torch.device) -> dict:
         prompts = [rand_tokens(30 + 5 * i, 700 + i) for i in range(6)]
         p = SamplingParams(max_new_tokens=24, ignore_eos=True)
         results = eng.generate(prompts, p, return_logits=True)
-        diffs = []
-        for t, r in zip(prompts, results, strict=True):
-            n = len(r.output_ids)
-            ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
-            diffs.append((ref.cpu() - r.logits).abs().max().item())
         eng.check_integrity()
         st = eng.stats()
-        out[f"host-{host}"] = {"max_logit_diff": max(diffs), "finished": len(results),
+        out[f"host-{host}"] = {"max_logit_diff": max_logit_diff(model, prompts, results),
+                               "finished": len(results),
                                "preemptions": st["preemptions"],
                                "frames": st["arena"]["frames"],
                                "tensor_device": str(eng._prefix.arena.data.device)}
         eng.close()
     return out
-
-
-def _max_diff(model, prompts, results) -> float:
-    diffs = []
-    for t, r in zip(prompts, results, strict=True):
-        n = len(r.output_ids)
-        ref = reference_logits(model, t + r.output_ids)[len(t) - 1:len(t) - 1 + n]
-        diffs.append((ref.cpu() - r.logits).abs().max().item())
-    return max(diffs)
 
 
 def arena_moves(device: torch.device) -> dict:
@@ -290,9 +276,7 @@ def arena_moves(device: torch.device) -> dict:
     uint8 tensor) to give frames back, and later turns that read the moved pages are
     exact. Then HiSparse beside the arena (its hot buffers set apart from it)."""
     model = tiny_model().to(device)
-    probe = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=16))
-    page = sum(probe.layout.page_bytes().values())
-    probe.close()
+    page = page_bytes(model)
     eng = Engine.from_hf(model, CacheConfig(page_size=16, device_bytes=20 * page,
                                             debug_poison=True), step_tokens=64)
     chats = [rand_tokens(17 + 13 * (i % 5), 400 + i) for i in range(10)]
@@ -301,10 +285,10 @@ def arena_moves(device: torch.device) -> dict:
     for turn in range(3):
         for i, prompt in enumerate(chats):
             r = eng.generate([prompt], p, return_logits=True)[0]
-            worst = max(worst, _max_diff(model, [prompt], [r]))
+            worst = max(worst, max_logit_diff(model, [prompt], [r]))
             chats[i] = prompt + r.output_ids + rand_tokens(5 + 7 * ((i + turn) % 3), 500 + i)
         both = [chats[turn], chats[turn + 5]]
-        worst = max(worst, _max_diff(model, both, eng.generate(both, p, return_logits=True)))
+        worst = max(worst, max_logit_diff(model, both, eng.generate(both, p, return_logits=True)))
     eng.check_integrity()
     moved = int(sum(eng._prefix.moved.values()))
     eng.close()
@@ -312,7 +296,7 @@ def arena_moves(device: torch.device) -> dict:
                                            hisparse_buffer=9, hisparse_requests=2,
                                            debug_poison=True))
     prompts = [rand_tokens(70, 90), rand_tokens(50, 91)]
-    hs_diff = _max_diff(model, prompts, hs.generate(
+    hs_diff = max_logit_diff(model, prompts, hs.generate(
         prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), return_logits=True))
     hs.check_integrity()
     hs.close()

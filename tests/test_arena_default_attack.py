@@ -15,6 +15,7 @@ import pytest
 from helpers import fail_at
 from server_util import ServerThread
 from test_engine import check, rand_tokens
+from test_engine_arena import fixed_held_bytes
 from tiny_model import CSA, HCA, SWA, tiny_model
 
 from shadowradix import CacheConfig, Engine, SamplingParams, SpecConfig
@@ -43,13 +44,6 @@ def run(eng: Engine, prompts, params, logits: bool = True) -> list:
         eng.check_integrity()
     assert not eng.has_unfinished(), "no progress"
     return [res[i] for i in ids]
-
-
-def fixed_held_bytes(arena: Engine, fixed: Engine) -> int:
-    ps = arena.layout.page_size
-    return sum(pool.num_pages * arena.layout.pool(name).page_bytes(ps)
-               for name, pool in fixed._prefix.pools.items()
-               if name in arena._prefix.arena.names)
 
 
 # ========================================================= defects found (now fixed)
@@ -103,8 +97,8 @@ def test_device_tokens_shorthand_at_deepseek_v4_pro_scale_costs_more_than_fixed_
     from shadowradix.pool.arena import plan_frames
 
     fb = plan_frames(lay).frame_bytes
-    held = {"swa": 2, "state": 2}
-    assert fixed <= arena_bytes(lay, pages, held=held) < fixed + fb
+    request = {**pages, "swa": 2, "state": 2}  # its window and resume state: 2 pages each
+    assert fixed <= arena_bytes(lay, pages, request=request, spread=("swa", "state")) < fixed + fb
 
 
 # ============================================================== held up (these pass)

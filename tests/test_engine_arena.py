@@ -36,6 +36,14 @@ def engine(model, pages: int, step_tokens: int = 512, **kw) -> Engine:
                                              **kw), step_tokens=step_tokens)
 
 
+def fixed_held_bytes(arena: Engine, fixed: Engine) -> int:
+    """The bytes `fixed`'s device pools hold, of the pools `arena`'s arena serves."""
+    ps = arena.layout.page_size
+    return sum(pool.num_pages * arena.layout.pool(name).page_bytes(ps)
+               for name, pool in fixed._prefix.pools.items()
+               if name in arena._prefix.arena.names)
+
+
 def share(eng: Engine, pool: str = "swa") -> float:
     """The share of the bytes the pools hold in the arena that `pool` holds."""
     held = eng.status()["arena_bytes"]
@@ -158,9 +166,7 @@ def test_device_tokens_alone_is_an_arena_holding_what_fixed_pools_of_it_held(
         info = arena.arena_info()
         assert info is not None and fixed.arena_info() is None
         assert arena.status()["arena_bytes"] is not None
-        held = sum(pool.num_pages * arena.layout.pool(name).page_bytes(page_size)
-                   for name, pool in fixed._prefix.pools.items()
-                   if name in arena._prefix.arena.names)
+        held = fixed_held_bytes(arena, fixed)
         hot = arena.hot.nbytes if arena.hot is not None else 0  # set apart in whole frames
         assert (hisparse is not None) == (hot > 0) == (info["reserved_bytes"] >= hot > 0)
         fb = info["frame_bytes"]

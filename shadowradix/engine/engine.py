@@ -39,6 +39,7 @@ from shadowradix.model.mtp_runner import MTPRunner
 from shadowradix.pool.arena import Arena, arena_bytes
 from shadowradix.sparse import AccessStream
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
+from shadowradix.tiers.bounds import RequestBounds
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager, Lease
 from shadowradix.tiers.mover import mover_for
@@ -46,7 +47,6 @@ from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
 from shadowradix.tree.policy import named_policy
-from shadowradix.tree.rules import MatchRule
 
 READ_POLL_S = 0.01  # a step with only storage reads to wait for waits this long at most
 
@@ -79,6 +79,8 @@ class Engine:
         self.device = next(hf_model.parameters()).device
         self.config = config
         self.vocab_size = int(cfg.vocab_size)
+        # the longest prompt + output the model's positions allow
+        self.positions = int(getattr(cfg, "max_position_embeddings", 0) or 2**31)
         self.speculator = Speculator(speculative, self.vocab_size,
                                      MTPRunner(mtp, hf_model) if mtp is not None else None)
         eos = cfg.eos_token_id
@@ -93,17 +95,20 @@ class Engine:
         self._check_hisparse(config)
         resident = ("c4",) if config.hisparse_buffer is not None else ()
         in_arena = [n for n in self.layout.pool_names if n not in resident]
+        hot_bytes = self._hot_bytes(config, pages)
         self.device_bytes = config.device_bytes
         if self.device_bytes is None and config.window_tokens is config.state_tokens is None:
-            # device_tokens as a shorthand: the bytes that many tokens take in every pool
-            self.device_bytes = arena_bytes(self.layout, pages, in_arena,
-                                            self._hot_bytes(config, pages),
-                                            self._resume_pages(config, pages))
+            # device_tokens as a shorthand: the bytes that many tokens take in every pool,
+            # and at least what the longest request of fixed pools that size takes alone
+            bounds = RequestBounds.of(self.layout, named_policy(config.policy))
+            self.device_bytes = arena_bytes(self.layout, pages, in_arena, hot_bytes,
+                                            bounds.peak_pages(config.device_tokens),
+                                            bounds.spread)
         arena = None
         if self.device_bytes is not None:
             try:
                 arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
-                              reserved_bytes=self._hot_bytes(config, pages))
+                              reserved_bytes=hot_bytes)
             except ValueError as e:
                 raise ValueError(f"device_bytes={self.device_bytes}: {e}") from None
         self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
@@ -138,17 +143,6 @@ class Engine:
         self._ids = itertools.count()
         self._busy = threading.Lock()
         self._closed = False
-
-    def _resume_pages(self, config: CacheConfig, pages: dict[str, int]) -> dict[str, int]:
-        """Per window and state pool, the pages a request alone holds there at most (the
-        `hold` pages of its resume point and one more, CacheManager.peak_pages), which may
-        sit one to an arena frame; none when the policy keeps no tombstones (every pool
-        then holds every page)."""
-        if not named_policy(config.policy).tombstones:
-            return {}
-        hold = MatchRule.of(self.layout).lock_pages
-        return {p.name: min(pages[p.name], hold + 1) for p in self.layout.pools
-                if p.retention is not Retention.ALL}
 
     def _check_hisparse(self, config: CacheConfig) -> None:
         if config.hisparse_buffer is None:
@@ -249,9 +243,9 @@ class Engine:
         req = Request(rid, ids, len(ids), p, gen, return_logits)
         if self.record_topk:
             req.topk = {}
-        if req.prompt_len + p.max_new_tokens > self._positions():
+        if req.prompt_len + p.max_new_tokens > self.positions:
             raise ValueError(f"{label}: {req.prompt_len} tokens + max_new_tokens "
-                             f"{p.max_new_tokens} pass the model's {self._positions()} "
+                             f"{p.max_new_tokens} pass the model's {self.positions} "
                              f"positions (max_position_embeddings)")
         if not self.scheduler.fits_ever(req):
             need = self.manager.peak_pages(req.max_tokens)  # its chunks cut to fit
@@ -687,7 +681,7 @@ class Engine:
     def max_sequence_len(self) -> int:
         """The longest prompt + output one request can ever hold: the device pools with
         nothing else cached, and the model's positions."""
-        lo, hi = 0, self._positions()  # fits(lo) holds; the answer is in [lo, hi]
+        lo, hi = 0, self.positions  # fits(lo) holds; the answer is in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.manager.fits_ever(mid - 1):  # KV for mid - 1, as add_request checks
@@ -695,10 +689,6 @@ class Engine:
             else:
                 hi = mid - 1
         return lo
-
-    def _positions(self) -> int:
-        """The longest prompt + output the model's positions allow."""
-        return int(getattr(self.runner.config, "max_position_embeddings", 0) or 2**31)
 
     def check_integrity(self) -> None:
         """Every page has exactly one owner (the tree, a running request, a free list) in

@@ -58,6 +58,12 @@ class FramePlan:
     per_frame: dict[str, int]
     stride: dict[str, int]
 
+    def frames(self, pages: Mapping[str, int], spread: Collection[str] = ()) -> int:
+        """The frames `pages` (per pool) take: a frame each for a pool in `spread`, packed
+        for the others; pools the plan does not cut take none."""
+        return sum(n if name in spread else -(-n // self.per_frame[name])
+                   for name, n in pages.items() if name in self.per_frame)
+
     def slack(self, pool: str, page_bytes: int) -> float:
         """Share of a frame of `pool` no page of it covers."""
         return 1 - self.per_frame[pool] * page_bytes / self.frame_bytes
@@ -101,24 +107,22 @@ def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> Frame
 
 def arena_bytes(layout: KVLayout, pages: Mapping[str, int],
                 names: Collection[str] | None = None, reserved_bytes: int = 0,
-                held: Mapping[str, int] | None = None) -> int:
+                request: Mapping[str, int] | None = None, spread: Collection[str] = ()) -> int:
     """The bytes of an arena over `layout`'s pools `names` (None: all) in place of fixed
     pools of `pages` each, beside `reserved_bytes` (set apart in whole frames, so the pools
     may get up to a frame less): the fixed pools' and the reserved bytes in whole frames,
-    or, where that is more, the frames one request that fills the fixed pools holds alone,
-    so that it fits the arena too: every page of a pool not in `held` (packed: a request
-    allocates them in order), and a frame for each of the `held[pool]` pages it holds of a
-    pool in `held` (its window and resume state, which come and go beside the tree's copies
-    and may sit one to a frame: PrefixCache.fits_arena). The second is more only where the
-    frames' slack (their bytes past their last page) outweighs the window pages such a
-    request lets go: pools of a few pages, or a policy without tombstones (`held` empty:
-    the request holds every page of every pool). `CacheConfig.device_tokens` is this
-    shorthand for a byte budget."""
+    or, where that is more, the frames the longest request the fixed pools held takes
+    alone (`request`, its peak pages per pool; None: `pages`), so that it fits the arena
+    too: packed, but a frame each for its pages of a pool in `spread` (its window and
+    resume state, which come and go beside the tree's copies: PrefixCache.fits_arena).
+    The second is more only where the frames' slack (their bytes past their last page)
+    outweighs the window pages such a request lets go: pools of a few pages, or a policy
+    without tombstones (no `spread`: the request holds every page of every pool).
+    `CacheConfig.device_tokens` is this shorthand for a byte budget."""
     plan = plan_frames(layout, names)
     fb = plan.frame_bytes
-    held = held or {}
     fixed = sum(pages[n] * layout.pool(n).page_bytes(layout.page_size) for n in plan.per_frame)
-    alone = sum(held[n] if n in held else -(-pages[n] // k) for n, k in plan.per_frame.items())
+    alone = plan.frames(pages if request is None else request, spread)
     reserved = -(-reserved_bytes // fb) if reserved_bytes > 0 else 0
     return max(-(-(fixed + max(reserved_bytes, 0)) // fb), alone + reserved) * fb
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shadowradix.tiers.bounds import RequestBounds
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.node import PAGE, Node
 from shadowradix.tree.results import LockHandle
@@ -95,43 +96,20 @@ class CacheManager:
         lay = cache.layout
         self.names = lay.pool_names
         self.page_size = lay.page_size
-        ckpt = set(self.tree.rule.checkpoint_rows)
-        self._whole_only = [row in ckpt for row in range(len(self.names))]
         self.short_rows = self.tree.short_lived_rows
-        self.hold = self.tree.rule.lock_pages
-        # Rows a request holds only a window of (its resume pages and one chunk): with
-        # tombstones off, every pool keeps every page.
-        self._capped = self.short_rows if self.tree.policy.tombstones else []
+        self.bounds = RequestBounds.of(lay, self.tree.policy)
+        self.hold = self.bounds.hold
+        self._whole_only = self.bounds.whole_only
+        self._capped = self.bounds.capped  # rows a request holds only a window of
         self._pool_pages = [cache.pools[n].num_pages for n in self.names]
-        self._spread = [self.names[row] for row in self._capped]  # see PrefixCache.arena_frames
+        self._spread = self.bounds.spread  # see PrefixCache.arena_frames
         self.leases: set[Lease] = set()
 
     # ------------------------------------------------------------- sizing
     def peak_pages(self, tokens: int, chunk: int = 1) -> dict[str, int]:
         """Per pool, the most pages one request of `tokens` positions, run alone in chunks
-        of at most `chunk` tokens, holds at once.
-
-        An ALL pool (every pool, when the policy keeps no tombstones) holds every page, a
-        checkpoint pool every whole one. Otherwise a window or checkpoint pool holds the
-        `hold` pages of its resume point (once: where the tree holds one too, the request
-        reads the tree's, see `_share_held`) and the pages of one chunk: at most
-        ceil((chunk + ps - 1) / ps), for a chunk that starts just before a page end, and
-        for a checkpoint pool only the whole pages the chunk closes. chunk=1 is the
-        smallest chunk the scheduler cuts to (`chunk_end`), so that is what `fits_ever`
-        asks; a larger `chunk` bounds a runner that never cuts (hold + 1 is also what a
-        decoding request holds)."""
-        ps = self.page_size
-        total, whole = -(-tokens // ps), tokens // ps
-        out = {}
-        for row, spec in enumerate(self.cache.layout.pools):
-            every = whole if self._whole_only[row] else total
-            if row not in self._capped:
-                out[spec.name] = every
-            elif self._whole_only[row]:
-                out[spec.name] = min(every, self.hold + (chunk + ps - 1) // ps)
-            else:
-                out[spec.name] = min(every, self.hold + -(-(chunk + ps - 1) // ps))
-        return out
+        of at most `chunk` tokens, holds at once (RequestBounds.peak_pages)."""
+        return self.bounds.peak_pages(tokens, chunk)
 
     def fits_ever(self, tokens: int) -> bool:
         """Whether a request of `tokens` positions runs to completion alone in the device

@@ -228,12 +228,8 @@ class PrefixCache:
     def arena_frames(self, pages: Mapping[str, int], spread: Collection[str] = ()) -> int:
         """The arena frames `pages` (per pool) take: a frame each for a pool in `spread`,
         packed for the others (see `fits_arena`); pools not in the arena take none."""
-        frames = 0
-        for name, n in pages.items():
-            pool = self._arena_pools.get(name)
-            if pool is not None:
-                frames += n if name in spread else -(-n // pool.per_frame)
-        return frames
+        assert self.arena is not None
+        return self.arena.plan.frames(pages, spread)
 
     def _frames_within_reach(self, need: Mapping[str, int]) -> bool:
         """Arena: whether `need` would fit were every evictable page gone and the rest
