@@ -138,6 +138,7 @@ class KVLayout:
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        object.__setattr__(self, "_rows", {n: i for i, n in enumerate(names)})  # index()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         bad = [p for p in self.pools if p.ratio is not None and self.page_size % p.ratio]
@@ -151,9 +152,9 @@ class KVLayout:
 
     def index(self, name: str) -> int:
         """Row of pool `name` in page tables."""
-        for i, p in enumerate(self.pools):
-            if p.name == name:
-                return i
+        row = self._rows.get(name)  # type: ignore[attr-defined]
+        if row is not None:
+            return row
         raise KeyError(f"layout {self.name!r} has no pool {name!r}; pools: {self.pool_names}")
 
     def pool(self, name: str) -> PoolSpec:

@@ -296,7 +296,7 @@ class ArenaPool:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         k, top = self.per_frame, self._top
-        if n > top + self.arena.free_frames * k:
+        if n > top + self.arena._top * k:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "
                                 f"{self.free_pages} free in the arena")
         if n == 0:
@@ -304,6 +304,9 @@ class ArenaPool:
         if n <= top:
             pages = self._slots[top - n:top][::-1].copy()
             self._top = top - n
+        elif k == 1:  # a page is a frame: no free slots ever
+            pages = self.arena.take(n, self.row)
+            self.frames_held += n
         else:  # new frames: a fault there (the only call out) leaves everything as it was
             fresh = self.arena.take(-(-(n - top) // k), self.row)
             slots = (fresh[:, None] * k + np.arange(k, dtype=PAGE_DTYPE)).ravel()
@@ -332,11 +335,17 @@ class ArenaPool:
         in_use = self._in_use
         in_use[pages] = False
         frames = pages // k
-        empty = ~in_use.reshape(-1, k)[frames].any(axis=1)
-        if not empty.any():
+        touched = frames  # with runs of one frame cut to one (a node's pages come in runs)
+        if frames.size > 1:
+            first = np.empty(frames.size, dtype=bool)
+            first[0] = True
+            np.not_equal(frames[1:], frames[:-1], out=first[1:])
+            touched = frames[first]
+        left = in_use.reshape(-1, k)[touched].any(axis=1)  # pages in use left in each
+        if np.count_nonzero(left) == left.size:
             self._push(pages)
         else:
-            gone = np.unique(frames[empty])
+            gone = np.unique(touched[~left])
             try:
                 self.arena.give(gone)
             except BaseException:  # as it was
@@ -346,10 +355,11 @@ class ArenaPool:
             mark[gone] = True
             slots = self._slots[:self._top]
             kept = slots[~mark[slots // k]]
+            rest = pages[~mark[frames]]
             mark[gone] = False
             self._top = 0
             self._push(kept)
-            self._push(pages[~empty])
+            self._push(rest)
             self.frames_held -= gone.size
         self.used_pages -= pages.size
 

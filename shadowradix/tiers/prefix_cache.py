@@ -102,6 +102,7 @@ class PrefixCache:
                 raise ValueError(f"the arena holds pools {sorted(arena.names)}; the device "
                                  f"pools are {sorted(on_device)}")
             self._arena_pools = arena.pools()
+            self._arena_rows = [(n, layout.index(n), p) for n, p in self._arena_pools.items()]
             apart = {n: pages if isinstance(pages, int) else pages[n] for n in in_host_memory}
             self.pools = {**_pools(layout, apart, device, in_host_memory=in_host_memory),
                           **self._arena_pools} if apart else dict(self._arena_pools)
@@ -186,9 +187,10 @@ class PrefixCache:
         pool. Changes nothing."""
         pools, tree = self.tier_pools(tier), self.tree
         shared = self._arena_pools if tier == DEVICE else {}  # frames any pool may free
-        if not all(pools[name].free_pages + tree.evictable(name, tier) >= n
-                   for name, n in need.items() if n > 0 and name not in shared):
-            return False
+        for name, n in need.items():
+            if n > 0 and name not in shared and pools[name].free_pages + tree.evictable(
+                    name, tier) < n:
+                return False
         if shared:
             return self._frames_within_reach(need)
         if self.budget is None or tier != DEVICE:
@@ -237,12 +239,13 @@ class PrefixCache:
         still come up short (it then returns None); this never refuses what could fit."""
         assert self.arena is not None
         held = frames = 0
-        for name, pool in self._arena_pools.items():
+        evictable = self.tree.evictable_rows()
+        for name, row, pool in self._arena_rows:
             k = pool.per_frame
-            left = pool.used_pages - self.tree.evictable(name)
+            kept = -(-(pool.used_pages - evictable[row]) // k)  # frames, packed tight
+            held += kept
+            spare = kept * k - pool.used_pages + evictable[row]
             n = need.get(name, 0)
-            held += -(-left // k)
-            spare = -(-left // k) * k - left
             if n > spare:
                 frames += -(-(n - spare) // k)
         return held + frames <= self.arena.frames

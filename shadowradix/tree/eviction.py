@@ -146,10 +146,14 @@ class Eviction:
                 now - (now - w.node.last_access) * stretch)
 
         while got() < want:
-            live = [w for w in walks if w.node is not None]
-            if not live:
+            w, oldest = None, math.inf
+            for x in walks:  # the oldest head; the first on a tie
+                if x.node is not None:
+                    at = stamp(x)
+                    if w is None or at < oldest:
+                        w, oldest = x, at
+            if w is None:
                 break
-            w = min(live, key=stamp)
             node = w.node
             assert node is not None
             if node.alive and w.row is None:
@@ -167,6 +171,19 @@ class Eviction:
     def _drop_short(self, node: Node, rows: list[int], freed: Freed, kept: bool) -> None:
         """Tombstone a node's unlocked kept (or loose) pages in every short-lived pool;
         a leaf left with no resume point goes too."""
+        if (kept and rows and self.rule.has_checkpoints and self.tiers == 1
+                and not node.children and node.full_lock == 0):
+            # An unlocked leaf whose short-lived pages are all kept ones has none left
+            # after: no resume point (each needs a page of some short-lived row), so it
+            # goes whole, as its kept pages would go and then the dead leaf with the rest.
+            if not np.count_nonzero((node.pages[rows] >= 0) > node.keep[rows]):
+                if self.policy.adaptive_lifetime:
+                    self._remember(node, loose=False, whole=False)
+                parent = node.parent
+                self._remove_leaf(node, freed)
+                assert parent is not None
+                self._drop_dead_leaf(parent, freed)
+                return
         for row in rows:
             mask = self._free_cells(node, DEVICE, row, kept)
             if np.count_nonzero(mask):
@@ -254,19 +271,22 @@ class Eviction:
     def _free_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
         """The cells of one pool row that eviction may let go: present in `tier`, not held
         by a window lock, and kept checkpoints' (kept) or loose pages (not kept)."""
-        return self._kind_cells(node, tier, row, kept) & (node.window_lock == 0)
+        cells = self._kind_cells(node, tier, row, kept)
+        if node.full_lock == 0:  # no lock runs through it: no window lock either
+            return cells
+        return cells & (node.window_lock == 0)
 
     def _kind_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
         """The cells of one pool row present in `tier` that are kept checkpoints' (kept) or
         loose pages (not kept), locked or not."""
         present = node.slot(tier)[row] >= 0
-        return present & node.keep[row] if kept else present & ~node.keep[row]
+        return present & node.keep[row] if kept else present > node.keep[row]  # & ~keep
 
     def _let_go(self, node: Node, tier: int, row: int, mask: np.ndarray, freed: Freed) -> int:
         """Tombstone the `mask` cells of one pool row; their pages go to `freed`."""
-        slot = node.slot(tier)
-        pages = slot[row, mask]
-        slot[row, mask] = -1
+        ids = node.slot(tier)[row]
+        pages = ids[mask]
+        ids[mask] = -1
         self._held[tier][row] -= pages.size
         freed[tier][row].append(pages)
         return int(pages.size)
@@ -282,9 +302,12 @@ class Eviction:
             present = self._kind_cells(node, tier, row, kept)  # none: it leaves the heap
             if not np.count_nonzero(present):
                 continue
-            locked = node.window_lock > 0
-            mask = present & ~locked
-            if np.count_nonzero(mask):
+            if node.full_lock == 0:  # no lock runs through it: no window lock either
+                locked, mask = None, present
+            else:
+                locked = node.window_lock > 0
+                mask = present & ~locked
+            if locked is None or np.count_nonzero(mask):
                 if tier == DEVICE and room is not None:
                     self._spill(node, row, mask, room)
                 got += self._let_go(node, tier, row, mask, freed)
@@ -294,7 +317,7 @@ class Eviction:
                         self._let_go(node, tier, other, cells, freed)
                 if not node.children and node.full_lock == 0:
                     self._drop_dead_leaf(node, freed)
-            if node.alive and np.count_nonzero(present & locked):  # what a lock keeps
+            if locked is not None and node.alive and np.count_nonzero(present & locked):
                 skipped.append(node)
             if got >= want:
                 break
@@ -402,8 +425,9 @@ class Eviction:
         """Record every page of one tier of a node as let go (the caller clears or drops
         the node)."""
         slot = node.slot(tier)
+        present = slot >= 0
         for row in range(self.n_pools):
-            pages = slot[row][slot[row] >= 0]
+            pages = slot[row][present[row]]
             if pages.size:
                 freed[tier][row].append(pages)
                 self._held[tier][row] -= pages.size
@@ -428,8 +452,8 @@ class Eviction:
     def _locked_rest(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         """After its free cells of a kind went (`_free_cells`): whether the node is alive and
         still holds pages of that kind, which only a window lock can keep (no lock: none)."""
-        return node.alive and bool(np.count_nonzero(node.window_lock)) and self._has(
-            node, tier, row, kept)
+        return node.alive and node.full_lock > 0 and bool(
+            np.count_nonzero(node.window_lock)) and self._has(node, tier, row, kept)
 
     def _has(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         return bool(np.count_nonzero(self._kind_cells(node, tier, row, kept)))
@@ -497,11 +521,10 @@ class _Walk:
 
     def advance(self) -> None:
         for node in self.it:
-            if self.row is None:
-                locked = node.full_lock > 0
-            else:
-                locked = not np.count_nonzero(
-                    self.tree._free_cells(node, DEVICE, self.row, self.kept))
+            # A row's walk only meets nodes with cells of its kind (its `wanted`): with no
+            # lock through the node (so no window lock) they are all free.
+            locked = node.full_lock > 0 and (self.row is None or not np.count_nonzero(
+                self.tree._free_cells(node, DEVICE, self.row, self.kept)))
             if not locked:
                 self.node = node
                 return

@@ -478,6 +478,10 @@ class ShadowRadix(Eviction):
         row = self.layout.index(pool)
         return self._held[tier][row] - self._pinned[tier][row]
 
+    def evictable_rows(self, tier: int = DEVICE) -> list[int]:
+        """`evictable` of every pool, by row. O(pools)."""
+        return [h - p for h, p in zip(self._held[tier], self._pinned[tier], strict=True)]
+
     # ------------------------------------------------------------------ tiers
     def fill(self, node: Node, table: np.ndarray, tier: int) -> None:
         """Adopt pages into one tier along the path root..node.

@@ -71,8 +71,8 @@ class PageOwners:
     def movable(self, row: int, pages: np.ndarray) -> tuple[np.ndarray, Owners]:
         """Which of `pages` (device ids of pool row `row`) the tree holds in a node no lock
         holds, and where: the mask over `pages`, and for each such page its node, column,
-        index into `pages` and position. One look per page (a scalar read of the node's
-        table: pages of one node are few, so per-node array work would cost more)."""
+        index into `pages` and position. One look per page, at the node's row of ids read
+        once per node (a node no lock runs through has no window lock either)."""
         pages = np.asarray(pages, dtype=PAGE)
         ok = np.zeros(pages.size, dtype=bool)
         owner = self._nodes[row]
@@ -81,13 +81,21 @@ class PageOwners:
         nodes: list[Node] = []
         cols: list[int] = []
         at: list[int] = []
+        # Per node, once: its row of ids (None: a lock runs through it, so no page moves;
+        # with none, no window lock holds a page either) and its first page.
+        held: dict[Node, tuple[list[int] | None, int]] = {}
         for i, node, page, pos in zip(inside.tolist(), owner[ids].tolist(), ids.tolist(),
                                       self._pos[row][ids].tolist(), strict=True):
-            if node is None or not node.alive or node.full_lock:
+            if node is None:
                 continue
-            col = pos - node.start_page
-            if 0 <= col < node.pages.shape[1] and node.pages[row, col] == page and (
-                    node.window_lock[col] == 0):
+            seen = held.get(node)
+            if seen is None:
+                free = node.alive and not node.full_lock
+                seen = held[node] = (node.pages[row].tolist() if free else None,
+                                     node.start_page)
+            table, start = seen
+            col = pos - start
+            if table is not None and 0 <= col < len(table) and table[col] == page:
                 nodes.append(node)
                 cols.append(col)
                 at.append(i)

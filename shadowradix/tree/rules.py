@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +25,7 @@ class MatchRule:
     prev_rows: list[int]  # rows that need exactly page q-1 (one-page windows, checkpoints)
     wide_windows: tuple[tuple[int, int], ...]  # windows spanning more than one page
     checkpoint_names: frozenset[str]  # CHECKPOINT pools: one entry per full page
+    has_checkpoints: bool = field(init=False)  # resuming needs more than the ALL rows
 
     @classmethod
     def of(cls, layout: KVLayout) -> MatchRule:
@@ -37,10 +38,10 @@ class MatchRule:
         names = frozenset(layout.pools[r].name for r in ckpt)
         return cls(list(layout.rows(Retention.ALL)), windows, ckpt, lock, prev, wide, names)
 
-    @property
-    def has_checkpoints(self) -> bool:
-        """Whether resuming needs more than the ALL rows (so a node can be dead weight)."""
-        return any(k for _, k in self.windows) or bool(self.checkpoint_rows)
+    def __post_init__(self) -> None:
+        # Whether resuming needs more than the ALL rows (so a node can be dead weight).
+        object.__setattr__(self, "has_checkpoints",
+                           any(k for _, k in self.windows) or bool(self.checkpoint_rows))
 
     def needed(self, n_rows: int, q: int) -> np.ndarray:
         """need[row, i]: whether resuming at boundary q reads page i of pool `row`."""
