@@ -149,6 +149,21 @@ def test_device_bytes_excludes_pools_of_their_own():
             CacheConfig(device_bytes=bad)
 
 
+@pytest.mark.parametrize("sizing, named", [
+    (dict(device_bytes=2**50), "device_bytes=1125899906842624"),
+    (dict(device_tokens=2**44), "device_tokens=17592186044416"),
+    (dict(device_tokens=2**44, window_tokens=PS), "window_tokens=16"),
+    (dict(device_tokens=4 * PS, host_tokens=2**40), "host_tokens=1099511627776"),
+    (dict(device_tokens=2**40, hisparse_buffer=8), "device_tokens=1099511627776"),
+])
+def test_a_cache_larger_than_memory_is_refused_before_anything_is_allocated(
+        model, sizing, named):
+    """A budget past the machine's memory is a ValueError naming the settings, not numpy's
+    MemoryError or torch's allocator error from deep inside the pools."""
+    with pytest.raises(ValueError, match=f"KV cache needs .* GiB .*{named}"):
+        Engine.from_hf(model, CacheConfig(page_size=PS, **sizing))
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 64])
 @pytest.mark.parametrize("hisparse", [None, 5])
 @pytest.mark.parametrize("policy", ["shadowradix", "no-shadows"])

@@ -26,7 +26,7 @@ from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Chunk, Scheduler
 from shadowradix.engine.speculator import Speculator
 from shadowradix.engine.transaction import Snapshot
-from shadowradix.engine.validation import checked_batch, model_layout
+from shadowradix.engine.validation import check_memory, checked_batch, model_layout
 from shadowradix.engine.verify import verify
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
@@ -104,16 +104,20 @@ class Engine:
             self.device_bytes = arena_bytes(self.layout, pages, in_arena, hot_bytes,
                                             bounds.peak_pages(config.device_tokens),
                                             bounds.spread)
+        sizing = self._check_memory(config, pages, host_pages, resident, in_arena, hot_bytes)
         arena = None
-        if self.device_bytes is not None:
-            try:
-                arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
-                              reserved_bytes=hot_bytes)
-            except ValueError as e:
-                raise ValueError(f"device_bytes={self.device_bytes}: {e}") from None
-        self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
-                                   device=self.device, host_pages=host_pages,
-                                   in_host_memory=resident, arena=arena)
+        try:
+            if self.device_bytes is not None:
+                try:
+                    arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
+                                  reserved_bytes=hot_bytes)
+                except ValueError as e:
+                    raise ValueError(f"device_bytes={self.device_bytes}: {e}") from None
+            self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
+                                       device=self.device, host_pages=host_pages,
+                                       in_host_memory=resident, arena=arena)
+        except (MemoryError, torch.cuda.OutOfMemoryError) as e:
+            raise ValueError(f"could not allocate the KV cache ({sizing}): {e}") from None
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   [*cfg.layer_types, *extra])
@@ -143,6 +147,24 @@ class Engine:
         self._ids = itertools.count()
         self._busy = threading.Lock()
         self._closed = False
+
+    def _check_memory(self, config: CacheConfig, pages: dict[str, int], host_pages: int | None,
+                      resident: Sequence[str], in_arena: Sequence[str], hot_bytes: int) -> str:
+        """ValueError when the cache's tensors would take more memory than the device or
+        this machine has (validation.check_memory); the settings that size them, for
+        messages."""
+        given = (("device_bytes", config.device_bytes) if config.device_bytes is not None
+                 else ("device_tokens", config.device_tokens))
+        sizing = ", ".join(f"{k}={v}" for k, v in (
+            given, ("window_tokens", config.window_tokens),
+            ("state_tokens", config.state_tokens), ("host_tokens", config.host_tokens)) if v)
+        page = self.layout.page_bytes()
+        on_device = (self.device_bytes if self.device_bytes is not None else
+                     sum(pages[n] * page[n] for n in in_arena) + hot_bytes)
+        in_host = (sum(pages[n] * page[n] for n in resident)
+                   + (host_pages or 0) * sum(page.values()))
+        check_memory(self.device, on_device, in_host, sizing)
+        return sizing
 
     def _check_hisparse(self, config: CacheConfig) -> None:
         if config.hisparse_buffer is None:

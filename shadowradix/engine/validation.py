@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
@@ -105,3 +106,40 @@ def _integer_dtype(dtype: Any) -> bool:
     if isinstance(dtype, torch.dtype):
         return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
     return bool(np.issubdtype(dtype, np.integer))
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory `device` has: a CUDA device's total, this machine's RAM for the CPU (None:
+    unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_memory(device: torch.device, device_bytes: int, host_bytes: int,
+                 sizing: str) -> None:
+    """ValueError, before anything is allocated, when the cache's tensors take more memory
+    than there is: `device_bytes` on `device` (its pools or arena and HiSparse's hot
+    buffers) and `host_bytes` in this machine's memory (the host tier and the pools kept in
+    host memory; on a CPU device both share it). `sizing` names the settings that size
+    them, for the message."""
+    ram = memory_bytes(torch.device("cpu"))
+    on_device = memory_bytes(device)
+    if device.type == "cpu":
+        device_bytes, host_bytes = 0, device_bytes + host_bytes
+    elif on_device is not None and device_bytes > on_device:
+        raise ValueError(f"the KV cache needs {_gib(device_bytes)} on {device}, which has "
+                         f"{_gib(on_device)} ({sizing}); give a smaller device_bytes or "
+                         f"device_tokens")
+    if ram is not None and host_bytes > ram:
+        raise ValueError(f"the KV cache needs {_gib(host_bytes)} of this machine's memory, "
+                         f"which has {_gib(ram)} ({sizing}); give a smaller "
+                         f"{'device_bytes, device_tokens or ' if device.type == 'cpu' else ''}"
+                         f"host_tokens")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
