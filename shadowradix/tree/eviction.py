@@ -171,19 +171,14 @@ class Eviction:
     def _drop_short(self, node: Node, rows: list[int], freed: Freed, kept: bool) -> None:
         """Tombstone a node's unlocked kept (or loose) pages in every short-lived pool;
         a leaf left with no resume point goes too."""
-        if (kept and rows and self.rule.has_checkpoints and self.tiers == 1
-                and not node.children and node.full_lock == 0):
-            # An unlocked leaf whose short-lived pages are all kept ones has none left
-            # after: no resume point (each needs a page of some short-lived row), so it
-            # goes whole, as its kept pages would go and then the dead leaf with the rest.
-            if not np.count_nonzero((node.pages[rows] >= 0) > node.keep[rows]):
-                if self.policy.adaptive_lifetime:
-                    self._remember(node, loose=False, whole=False)
-                parent = node.parent
-                self._remove_leaf(node, freed)
-                assert parent is not None
-                self._drop_dead_leaf(parent, freed)
-                return
+        if kept and self._only_kept_leaf(node, rows):  # it goes whole, as it would after
+            if self.policy.adaptive_lifetime:
+                self._remember(node, loose=False, whole=False)
+            parent = node.parent
+            self._remove_leaf(node, freed)
+            assert parent is not None
+            self._drop_dead_leaf(parent, freed)
+            return
         for row in rows:
             mask = self._free_cells(node, DEVICE, row, kept)
             if np.count_nonzero(mask):
@@ -192,6 +187,14 @@ class Eviction:
             if self.policy.adaptive_lifetime and self._dead(node):
                 self._remember(node, loose=not kept, whole=False)
             self._drop_dead_leaf(node, freed)
+
+    def _only_kept_leaf(self, node: Node, rows: list[int]) -> bool:
+        """An unlocked leaf (one tier) whose pages in the short-lived `rows` are all kept
+        ones: once those go it holds no resume point (each needs a page of some short-lived
+        row), so the dead leaf goes with the rest of its pages."""
+        return (bool(rows) and self.rule.has_checkpoints and self.tiers == 1
+                and not node.children and node.full_lock == 0
+                and not np.count_nonzero((node.pages[rows] >= 0) > node.keep[rows]))
 
     def _remember(self, leaf: Node, loose: bool, whole: bool) -> None:
         """A ghost of a leaf eviction lets go (adaptive_lifetime): see tree/lifetime.py.
