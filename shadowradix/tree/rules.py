@@ -98,16 +98,20 @@ class MatchRule:
         if self.wide_windows:
             return int(np.flatnonzero(self.resumable(pages))[-1])
         present = pages >= 0
+        rows = self.prev_rows
+        cand = None
+        if rows:  # first: none at all (a dead leaf) needs no look at the ALL rows
+            cand = present[rows[0]] if len(rows) == 1 else np.logical_and.reduce(present[rows])
+            if not np.count_nonzero(cand):
+                return 0
         limit = m
         rows = self.all_rows
         if rows:
             whole = present[rows[0]] if len(rows) == 1 else present[rows].all(axis=0)
             if np.count_nonzero(whole) < m:
                 limit = int(whole.argmin())
-        rows = self.prev_rows
-        if not rows:
+        if cand is None:
             return limit
-        cand = present[rows[0]] if len(rows) == 1 else np.logical_and.reduce(present[rows])
         cand = cand[:limit]
         if limit == 0 or not np.count_nonzero(cand):
             return 0
