@@ -267,8 +267,7 @@ class Eviction:
         return self._evict_result(freed)
 
     def _evict_result(self, freed: Freed) -> EvictResult:
-        out = [{p.name: (np.concatenate(f[i]) if f[i] else np.empty(0, PAGE))
-                for i, p in enumerate(self.layout.pools)} for f in freed]
+        out = [{p.name: _joined(f[i]) for i, p in enumerate(self.layout.pools)} for f in freed]
         return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
 
     def _free_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
@@ -493,6 +492,13 @@ class Eviction:
                 self._kept[tier][row].add(node)
 
 
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array of page ids from several (none: empty)."""
+    if len(arrays) > 1:
+        return np.concatenate(arrays)
+    return arrays[0] if arrays else np.empty(0, PAGE)
+
+
 def _any_node(node: Node) -> bool:
     """A heap's `wanted` for a caller that judges each node itself."""
     return True
@@ -550,6 +556,8 @@ class _Tally:
 class _Row(list[np.ndarray]):
     """One pool row of a `_Tally`'s Freed. Only `append` counts: every writer of a Freed
     appends (extend, += or insert would bypass the tally)."""
+
+    __slots__ = ("page_bytes", "tally")
 
     def __init__(self, tally: _Tally, page_bytes: int) -> None:
         super().__init__()
