@@ -12,6 +12,7 @@ from test_engine_vs_sim import Prompt, conversations
 from tiny_model import tiny_model
 
 from shadowradix import CacheConfig, Engine, SamplingParams
+from shadowradix.demo import tiny_deepseek_v4
 from shadowradix.pool.arena import Arena
 from shadowradix.sim.replay import replay
 from shadowradix.tiers import PrefixCache
@@ -225,6 +226,14 @@ def test_serve_device_bytes_reports_the_arena():
         info = httpx.get(f"{srv.url}/server_info").json()
         assert info["device_bytes"] == 2 * 2**20
         assert info["arena"]["frames"] >= 1 and info["arena"]["frame_bytes"] > 0
+        # The tokens the budget holds in every pool, not device_tokens' default (65,536):
+        # within a page per pool of 2 MiB over the bytes a token takes in every pool.
+        eng = Engine.from_hf(tiny_deepseek_v4(), CacheConfig(  # the model `tiny` serves
+            page_size=info["page_size"], device_tokens=info["page_size"]))
+        token_bytes = sum(eng.layout.page_bytes().values()) / info["page_size"]
+        held = info["arena"]["frames"] * info["arena"]["frame_bytes"]
+        assert held / token_bytes - info["page_size"] <= info["max_total_num_tokens"] <= (
+            held / token_bytes)
         out = httpx.post(f"{srv.url}/v1/completions", json={
             "model": "tiny", "prompt": "hello arena " * 8, "max_tokens": 4}, timeout=60)
         assert out.status_code == 200, out.text

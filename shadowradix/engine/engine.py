@@ -700,6 +700,17 @@ class Engine:
         arena = self._prefix.arena
         return arena.info() if arena is not None else None
 
+    def kv_tokens(self) -> int:
+        """The cache's capacity in tokens (SGLang's `max_total_num_tokens`): `device_tokens`,
+        or for a `device_bytes` budget the tokens whose pages in every pool of the arena its
+        frames hold (what `device_tokens` would be for those bytes)."""
+        arena = self._prefix.arena
+        if self.config.device_bytes is None or arena is None:
+            return self.config.device_tokens
+        page = self.layout.page_bytes()
+        per_page = sum(page[n] for n in arena.names)
+        return arena.frames * arena.plan.frame_bytes // per_page * self.layout.page_size
+
     def max_sequence_len(self) -> int:
         """The longest prompt + output one request can ever hold: the device pools with
         nothing else cached, and the model's positions."""

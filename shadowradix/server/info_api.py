@@ -72,7 +72,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     c, hf = engine.config, engine.runner.config
     return {"model_type": getattr(hf, "model_type", None),
             "architectures": getattr(hf, "architectures", None),
-            "page_size": c.page_size, "max_total_num_tokens": c.device_tokens,
+            "page_size": c.page_size, "max_total_num_tokens": engine.kv_tokens(),
             "device_bytes": engine.device_bytes,
             "arena": engine.arena_info(),
             "window_tokens": c.window_tokens, "state_tokens": c.state_tokens,
