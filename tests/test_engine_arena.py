@@ -153,7 +153,7 @@ def test_device_bytes_excludes_pools_of_their_own():
 @pytest.mark.parametrize("sizing, named", [
     (dict(device_bytes=2**50), "device_bytes=1125899906842624"),
     (dict(device_tokens=2**44), "device_tokens=17592186044416"),
-    (dict(device_tokens=2**44, window_tokens=PS), "window_tokens=16"),
+    (dict(device_tokens=2**44, window_tokens=PS), "device_tokens=17592186044416: "),
     (dict(device_tokens=4 * PS, host_tokens=2**40), "host_tokens=1099511627776"),
     (dict(device_tokens=2**40, hisparse_buffer=8), "device_tokens=1099511627776"),
 ])

@@ -26,7 +26,13 @@ from shadowradix.engine.sampling import sample
 from shadowradix.engine.scheduler import Chunk, Scheduler
 from shadowradix.engine.speculator import Speculator
 from shadowradix.engine.transaction import Snapshot
-from shadowradix.engine.validation import check_memory, checked_batch, model_layout
+from shadowradix.engine.validation import (
+    Part,
+    allocating,
+    check_memory,
+    checked_batch,
+    model_layout,
+)
 from shadowradix.engine.verify import verify
 from shadowradix.layout.spec import Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
@@ -106,7 +112,7 @@ class Engine:
                                             bounds.spread)
         sizing = self._check_memory(config, pages, host_pages, resident, in_arena, hot_bytes)
         arena = None
-        try:
+        with allocating(sizing):
             if self.device_bytes is not None:
                 try:
                     arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
@@ -116,13 +122,12 @@ class Engine:
             self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
                                        device=self.device, host_pages=host_pages,
                                        in_host_memory=resident, arena=arena)
-        except (MemoryError, torch.cuda.OutOfMemoryError) as e:
-            raise ValueError(f"could not allocate the KV cache ({sizing}): {e}") from None
         pools = {name: pool.storage for name, pool in self._prefix.pools.items()}
         self.store = PagedStorage.for_layer_types(self.layout, pools,  # type: ignore[arg-type]
                                                   [*cfg.layer_types, *extra])
         self.runner = DeepseekV4Runner(hf_model.eval())
-        self.hot = self._hot_buffers(config)
+        with allocating(sizing):
+            self.hot = self._hot_buffers(config)
         self.storage = None
         if config.storage is not None:
             backend = open_storage(config.storage, config.storage_cap_bytes,
@@ -151,20 +156,37 @@ class Engine:
     def _check_memory(self, config: CacheConfig, pages: dict[str, int], host_pages: int | None,
                       resident: Sequence[str], in_arena: Sequence[str], hot_bytes: int) -> str:
         """ValueError when the cache's tensors would take more memory than the device or
-        this machine has (validation.check_memory); the settings that size them, for
-        messages."""
-        given = (("device_bytes", config.device_bytes) if config.device_bytes is not None
-                 else ("device_tokens", config.device_tokens))
-        sizing = ", ".join(f"{k}={v}" for k, v in (
-            given, ("window_tokens", config.window_tokens),
-            ("state_tokens", config.state_tokens), ("host_tokens", config.host_tokens)) if v)
+        this machine has (validation.check_memory), naming the settings that size each
+        part; those settings, for later messages."""
         page = self.layout.page_bytes()
-        on_device = (self.device_bytes if self.device_bytes is not None else
-                     sum(pages[n] * page[n] for n in in_arena) + hot_bytes)
-        in_host = (sum(pages[n] * page[n] for n in resident)
-                   + (host_pages or 0) * sum(page.values()))
-        check_memory(self.device, on_device, in_host, sizing)
-        return sizing
+        sized = {Retention.WINDOW: "window_tokens", Retention.CHECKPOINT: "state_tokens"}
+        on_device: list[Part] = []
+        if self.device_bytes is not None:
+            knob = "device_bytes" if config.device_bytes is not None else "device_tokens"
+            on_device.append((f"{knob}={getattr(config, knob)}", self.device_bytes - hot_bytes,
+                              (knob,)))
+        else:  # fixed pools, each sized by its setting
+            fixed: dict[str, int] = {}
+            for spec in self.layout.pools:
+                if spec.name in in_arena:
+                    knob = sized.get(spec.retention, "device_tokens")
+                    knob = knob if getattr(config, knob) is not None else "device_tokens"
+                    fixed[knob] = fixed.get(knob, 0) + pages[spec.name] * page[spec.name]
+            on_device += [(f"{k}={getattr(config, k)}", b, (k,)) for k, b in fixed.items()]
+        if hot_bytes:
+            sets = self._hot_requests(config, pages)
+            on_device.append((f"HiSparse's hot buffers (hisparse_requests={sets}, "
+                              f"hisparse_buffer={config.hisparse_buffer})", hot_bytes,
+                              ("hisparse_requests", "hisparse_buffer")))
+        in_host: list[Part] = [(f"device_tokens={config.device_tokens} (its {n} pool in host "
+                                f"memory)",
+                                pages[n] * page[n], ("device_tokens",)) for n in resident]
+        if host_pages:
+            in_host.append((f"host_tokens={config.host_tokens}",
+                            host_pages * sum(page.values()), ("host_tokens",)))
+        check_memory(self.device, on_device, in_host)
+        return ", ".join(dict.fromkeys(label.split(" ")[0] for label, _, _ in
+                                       (*on_device, *in_host)))
 
     def _check_hisparse(self, config: CacheConfig) -> None:
         if config.hisparse_buffer is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from numbers import Integral
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -108,38 +110,68 @@ def _integer_dtype(dtype: Any) -> bool:
     return bool(np.issubdtype(dtype, np.integer))
 
 
+# What one setting (or a few together) asks memory for: a label naming it and its value,
+# the bytes, and the settings a smaller value of which would shrink it.
+Part = tuple[str, int, tuple[str, ...]]
+
+
 def memory_bytes(device: torch.device) -> int | None:
-    """The memory `device` has: a CUDA device's total, this machine's RAM for the CPU (None:
-    unknown)."""
+    """The memory `device` has: a CUDA device's total; for the CPU, this machine's RAM or
+    the control group's limit where lower (a container); None where unknown."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
+    if device.type != "cpu":
+        return None
+    try:
+        ram: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        ram = None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            ram = int(text) if ram is None else min(ram, int(text))
+        break
+    return ram
 
 
-def check_memory(device: torch.device, device_bytes: int, host_bytes: int,
-                 sizing: str) -> None:
+def check_memory(device: torch.device, on_device: Sequence[Part],
+                 in_host: Sequence[Part]) -> None:
     """ValueError, before anything is allocated, when the cache's tensors take more memory
-    than there is: `device_bytes` on `device` (its pools or arena and HiSparse's hot
-    buffers) and `host_bytes` in this machine's memory (the host tier and the pools kept in
-    host memory; on a CPU device both share it). `sizing` names the settings that size
-    them, for the message."""
-    ram = memory_bytes(torch.device("cpu"))
-    on_device = memory_bytes(device)
+    than there is: `on_device` on `device` (its pools or arena and HiSparse's hot buffers)
+    and `in_host` in this machine's memory (the host tier and the pools kept in host
+    memory; on a CPU device both share it). The message names the parts, largest first (but
+    those under 1% of the need), and the settings that would shrink them."""
     if device.type == "cpu":
-        device_bytes, host_bytes = 0, device_bytes + host_bytes
-    elif on_device is not None and device_bytes > on_device:
-        raise ValueError(f"the KV cache needs {_gib(device_bytes)} on {device}, which has "
-                         f"{_gib(on_device)} ({sizing}); give a smaller device_bytes or "
-                         f"device_tokens")
-    if ram is not None and host_bytes > ram:
-        raise ValueError(f"the KV cache needs {_gib(host_bytes)} of this machine's memory, "
-                         f"which has {_gib(ram)} ({sizing}); give a smaller "
-                         f"{'device_bytes, device_tokens or ' if device.type == 'cpu' else ''}"
-                         f"host_tokens")
+        on_device, in_host = (), [*on_device, *in_host]
+    for parts, where, has in ((on_device, str(device), memory_bytes(device)),
+                              (in_host, "this machine's memory",
+                               memory_bytes(torch.device("cpu")))):
+        need = sum(b for _, b, _ in parts)
+        if has is None or need <= has:
+            continue
+        parts = sorted(parts, key=lambda p: -p[1])
+        parts = [p for p in parts if p[1] >= need / 100] or parts[:1]
+        knobs = list(dict.fromkeys(k for _, _, ks in parts for k in ks))
+        smaller = ", ".join(knobs[:-1]) + (" or " if len(knobs) > 1 else "") + knobs[-1]
+        raise ValueError(f"the KV cache needs {_gib(need)} of {where}, which has {_gib(has)}: "
+                         + ", ".join(f"{label}: {_gib(b)}" for label, b, _ in parts)
+                         + f"; give a smaller {smaller}")
+
+
+@contextmanager
+def allocating(sizing: str) -> Iterator[None]:
+    """Turn an allocation that fails (numpy's MemoryError, torch's allocator errors, CUDA
+    out of memory) into a ValueError naming `sizing`, the settings that sized it."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "alloc" not in str(e).lower():
+            raise
+        raise ValueError(f"could not allocate the KV cache ({sizing}): {e}") from None
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
-
