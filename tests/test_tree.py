@@ -328,3 +328,24 @@ def test_a_split_during_insert_does_not_misroute_the_walk():
         m = cache.match(probe)
         assert m.prefix_len == len(probe) - PS
         assert_sound(cache, probe, m, content)
+
+
+def test_an_insert_splitting_a_leaf_drops_the_part_left_without_a_resume_point():
+    """A leaf whose one resume point is its first page, and a sequence of exactly that page
+    (its match stops a page short, so the match splits nothing): the insert splits the
+    leaf there, and the part past the split holds no resume point. It goes at once, its
+    pages freed, instead of an unlocked leaf nothing can resume from (check_integrity)."""
+    cache, content = fresh(window=1)  # a one-token window: resuming needs only the state
+    serve(cache, seq(1, 2, 3), content)
+    leaf = next(n for n in cache.tree.nodes() if n is not cache.tree.root)
+    row = cache.layout.index("state")
+    bad = [[np.empty(0, np.int32) for _ in cache.layout.pools]]
+    bad[0][row] = leaf.pages[row, 1:].copy()  # the state of pages 1 and 2 never arrived
+    cache.release(cache.tree.forget(bad))
+    cache.check_integrity(held={})
+    kv_before = cache.pools["kv"].used_pages
+    m, _ = serve(cache, seq(1), content)
+    assert m.prefix_len == 0
+    cache.check_integrity(held={})
+    assert [n.n_pages for n in cache.tree.nodes() if n is not cache.tree.root] == [1]
+    assert cache.pools["kv"].used_pages == kv_before - 2

@@ -403,6 +403,8 @@ class CacheManager:
                 cache.unlock(lease.handles[0])
                 lease.handles.pop(0)
             self._share_held(lease)
+        if result.tail is not None:  # split off with no resume point left: it goes now
+            cache.prune(result.tail)
         if self.host is not None:
             self.host.after_insert(result.node)
 

@@ -438,6 +438,8 @@ class PrefixCache:
         result = self.tree.insert(tokens, pages, start, finished=finished, tier=tier,
                                   prompt=prompt)
         self.free(result.to_free, tier)
+        if result.tail is not None:
+            self.prune(result.tail)
         return result
 
     def evict(self, pool: str, num_pages: int, tier: int = DEVICE,

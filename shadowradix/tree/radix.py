@@ -286,7 +286,9 @@ class ShadowRadix(Eviction):
         (pages fetched from storage land there). `prompt`: how many of a finished
         sequence's tokens were its prompt; under `learn_resume` its leaf remembers where
         that ended, and checkpoints are kept at the offsets before it where matches were
-        seen to stop (tree/resume.py). Mutates the tree; allocates nothing.
+        seen to stop (tree/resume.py). A node whose tokens the new ones leave inside it is
+        split, and its part past the branch comes back as `tail` for the caller to prune.
+        Mutates the tree; allocates nothing.
         """
         tokens = as_tokens(tokens)
         ps = self.page_size
@@ -300,9 +302,12 @@ class ShadowRadix(Eviction):
             (np.full((self.n_pools, start), -1, PAGE), own), axis=1)
 
         segments: list[Node] = []
-        node, depth = self.root, 0
+        node, depth, tail = self.root, 0, None
         for child, eq in self._descend(tokens, n):
-            segments.append(child if eq == child.n_pages else self._split(child, eq))
+            if eq < child.n_pages:  # the new pages branch off inside it: it keeps the rest
+                tail = child
+                child = self._split(child, eq)
+            segments.append(child)
             depth += eq
             node = segments[-1]
         prompt_end = int(prompt) // ps if (
@@ -365,10 +370,10 @@ class ShadowRadix(Eviction):
             end.prompt_end = prompt_end
         if not to_free:
             empty = np.empty(0, PAGE)
-            return InsertResult(end, depth, {p.name: empty for p in self.layout.pools})
+            return InsertResult(end, depth, {p.name: empty for p in self.layout.pools}, tail)
         freed = np.concatenate(to_free, axis=1)
         return InsertResult(end, depth, {p.name: freed[i][freed[i] >= 0]
-                                         for i, p in enumerate(self.layout.pools)})
+                                         for i, p in enumerate(self.layout.pools)}, tail)
 
     def _keep_plan(self, n: int, branch_ends: list[int], finished: bool,
                    prompt_end: int = -1) -> list[tuple[int, list[int]]]:

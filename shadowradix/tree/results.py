@@ -95,11 +95,15 @@ class InsertResult:
     cached_pages: leading pages the tree already held.
     to_free: per pool, the request's pages the tree did not adopt (duplicates,
         or window pages an eager policy drops). The caller must free them.
+    tail: the node the insert split, where its pages branched off inside one: it keeps
+        the pages past the branch, and may hold no resume point now (its last was before
+        the branch). The caller prunes it (PrefixCache.prune), which drops it only then.
     """
 
     node: Node
     cached_pages: int
     to_free: dict[str, np.ndarray]
+    tail: Node | None = None
 
 
 @dataclass(frozen=True)
