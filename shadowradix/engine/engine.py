@@ -185,8 +185,7 @@ class Engine:
             in_host.append((f"host_tokens={config.host_tokens}",
                             host_pages * sum(page.values()), ("host_tokens",)))
         check_memory(self.device, on_device, in_host)
-        return ", ".join(dict.fromkeys(label.split(" ")[0] for label, _, _ in
-                                       (*on_device, *in_host)))
+        return ", ".join(label for label, _, _ in (*on_device, *in_host))
 
     def _check_hisparse(self, config: CacheConfig) -> None:
         if config.hisparse_buffer is None:
