@@ -105,3 +105,31 @@ def test_allocation_failing_past_the_check_on_cpu_is_a_value_error(sizing, tmp_p
     if line == "ACCEPTED":
         pytest.skip("the allocation fit under the limit here")
     assert line.startswith("ValueError"), line
+
+
+def test_a_cuda_device_and_host_memory_are_checked_apart(monkeypatch):
+    """On a CUDA device the pools and hot buffers are checked against the device's memory
+    and the host tier against this machine's, each naming its own settings (the CUDA
+    branch, with the two sizes stubbed: no GPU here)."""
+    from shadowradix.engine import validation
+
+    gib = 2**30
+    monkeypatch.setattr(validation, "memory_bytes",
+                        lambda d: 80 * gib if d.type == "cuda" else 64 * gib)
+    cuda = validation.torch.device("cuda", 0)
+    pools = [("device_bytes=85899345920", 80 * gib, ("device_bytes",))]
+    host = [("host_tokens=1000000", 60 * gib, ("host_tokens",))]
+    validation.check_memory(cuda, pools, host)  # each fits its own memory
+    with pytest.raises(ValueError, match=r"81\.0 GiB of cuda:0, which has 80\.0 GiB: "
+                                         r"device_bytes=.*: 80\.0 GiB, HiSparse.*; give a "
+                                         r"smaller device_bytes, hisparse_requests or "
+                                         r"hisparse_buffer"):
+        validation.check_memory(cuda, [*pools, ("HiSparse's hot buffers", gib,
+                                                ("hisparse_requests", "hisparse_buffer"))],
+                                host)
+    with pytest.raises(ValueError, match=r"of this machine's memory.*give a smaller host_tokens$"):
+        validation.check_memory(cuda, pools, [*host, ("host_tokens=2", 5 * gib,
+                                                      ("host_tokens",))])
+    # on the CPU both share this machine's memory: 80 + 60 GiB > 64 GiB
+    with pytest.raises(ValueError, match=r"give a smaller device_bytes or host_tokens$"):
+        validation.check_memory(validation.torch.device("cpu"), pools, host)
