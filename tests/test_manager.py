@@ -118,3 +118,20 @@ def test_a_finished_request_marks_where_its_prompt_ended():
     manager.finish(lease, seq, 23)
     leaf = cache.match(seq, record=False).node
     assert (leaf.end_page, leaf.prompt_end) == (5, 2)
+
+
+def test_live_leases_are_kept_in_admission_order():
+    """What the manager does over its live leases (sharing held copies in `_room`,
+    aborting orphans) goes in admission order, so a replay frees the same pages in the same
+    order in every run; a set iterated them in the order of their objects' addresses."""
+    cache = PrefixCache(tiny_layout(PS), 400)
+    manager = CacheManager(cache)
+    leases = [manager.admit(np.arange(i * 10, i * 10 + 5, dtype=np.int32), chunk=5)
+              for i in range(40)]
+    assert all(lease is not None for lease in leases)
+    for lease in leases[::3]:
+        manager.abort(lease)
+    live = [lease for i, lease in enumerate(leases) if i % 3]
+    assert list(manager.leases) == live
+    assert manager.release_orphans(set(live[5:])) == 5
+    assert list(manager.leases) == live[5:]

@@ -103,7 +103,10 @@ class CacheManager:
         self._capped = self.bounds.capped  # rows a request holds only a window of
         self._pool_pages = [cache.pools[n].num_pages for n in self.names]
         self._spread = self.bounds.spread  # see PrefixCache.arena_frames
-        self.leases: set[Lease] = set()
+        # Live leases in admission order (a dict as an ordered set): what `_room` shares and
+        # `release_orphans` aborts goes in that order, so a replay frees the same pages in
+        # the same order every run (a set would follow the objects' addresses).
+        self.leases: dict[Lease, None] = {}
 
     # ------------------------------------------------------------- sizing
     def peak_pages(self, tokens: int, chunk: int = 1) -> dict[str, int]:
@@ -221,7 +224,7 @@ class CacheManager:
                       np.zeros((len(self.names), width), dtype=bool), [], done, done,
                       resume * ps, 0, 0, m.logical_len, stored=resume,
                       prompt=tokens.size if prompt is None else int(prompt))
-        self.leases.add(lease)  # registered before any state changes: abort undoes them
+        self.leases[lease] = None  # registered before any state changes: abort undoes them
         try:
             lease.handles.append(cache.lock(m))
             if not self._room(need):
@@ -529,7 +532,7 @@ class CacheManager:
             tail, lease.tail = lease.tail, None
             self.cache.prune(tail)
         lease.live = False
-        self.leases.discard(lease)
+        self.leases.pop(lease, None)
 
     def release_orphans(self, attached: set[Lease]) -> int:
         """Abort every lease not in `attached` (an exception left it without a request);
