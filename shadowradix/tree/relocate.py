@@ -27,24 +27,32 @@ class PageOwners:
 
     def __init__(self, sizes: list[int]) -> None:
         self._sizes = sizes
+        self._limits = np.asarray(sizes, dtype=np.int64)[:, None]  # ids below, per row
         # Grown as ids are noted (a pool of many small pages rarely uses its whole range).
         self._nodes = [np.full(min(n, 1024), None, dtype=object) for n in sizes]
         self._pos = [np.zeros(min(n, 1024), dtype=np.int32) for n in sizes]
 
     def note(self, node: Node, table: np.ndarray) -> None:
-        """`node` now holds the device pages of `table` ([pools, n], -1: none)."""
-        for row, size in enumerate(self._sizes):
-            ids = table[row]
-            cols = np.flatnonzero((ids >= 0) & (ids < size))
-            if cols.size:
-                self._set(row, ids[cols], cols, node)
+        """`node` now holds the device pages of `table` ([pools, n], -1: none). The table's
+        cells are found in one pass; each row then costs two writes."""
+        held = (table >= 0) & (table < self._limits)
+        rows, cols = held.nonzero()  # row by row
+        if not rows.size:
+            return
+        ids, pos = table[rows, cols], cols + node.start_page
+        ends = np.cumsum(np.count_nonzero(held, axis=1)).tolist()
+        lo = 0
+        for row, hi in enumerate(ends):
+            if hi > lo:
+                self._set(row, ids[lo:hi], pos[lo:hi], node)
+            lo = hi
 
-    def _set(self, row: int, ids: np.ndarray, cols: np.ndarray, node: Node) -> None:
+    def _set(self, row: int, ids: np.ndarray, pos: np.ndarray, node: Node) -> None:
         top = int(ids.max())
         if top >= self._nodes[row].size:
             self._grow(row, top)
         self._nodes[row][ids] = node
-        self._pos[row][ids] = cols + node.start_page
+        self._pos[row][ids] = pos
 
     def _grow(self, row: int, top: int) -> None:
         """Room in row `row` for id `top` (< its size)."""
