@@ -88,7 +88,6 @@ _ULIMIT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS, /proc")
 @pytest.mark.parametrize("sizing", ["device_bytes=4 << 30",  # the arena
                                     "device_tokens=16, window_tokens=1 << 25"])  # fixed pools
 def test_allocation_failing_past_the_check_on_cpu_is_a_value_error(sizing, tmp_path):
@@ -101,9 +100,7 @@ def test_allocation_failing_past_the_check_on_cpu_is_a_value_error(sizing, tmp_p
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    line = out.stdout.strip().splitlines()[-1]
-    if line == "ACCEPTED":
-        pytest.skip("the allocation fit under the limit here")
+    line = out.stdout.strip().splitlines()[-1]  # ACCEPTED: 4 GiB fit under 1 GiB of room
     assert line.startswith("ValueError"), line
 
 

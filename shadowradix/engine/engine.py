@@ -34,7 +34,7 @@ from shadowradix.engine.validation import (
     model_layout,
 )
 from shadowradix.engine.verify import verify
-from shadowradix.layout.spec import Retention
+from shadowradix.layout.spec import KVLayout, Retention
 from shadowradix.model import DeepseekV4Runner, PagedStorage
 from shadowradix.model.attention import CSA
 from shadowradix.model.compressor import rewind_states
@@ -53,6 +53,15 @@ from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tiers.storage import open_storage
 from shadowradix.tiers.storage_tier import StorageTier
 from shadowradix.tree.policy import named_policy
+
+
+def _sized_by(layout: KVLayout, config: CacheConfig) -> dict[str, str]:
+    """The setting that sizes each pool's fixed page count: window_tokens (WINDOW pools)
+    or state_tokens (CHECKPOINT pools) where set, device_tokens otherwise."""
+    own = {Retention.WINDOW: "window_tokens", Retention.CHECKPOINT: "state_tokens"}
+    return {p.name: knob if (knob := own.get(p.retention)) and getattr(config, knob)
+            else "device_tokens" for p in layout.pools}
+
 
 READ_POLL_S = 0.01  # a step with only storage reads to wait for waits this long at most
 
@@ -92,9 +101,8 @@ class Engine:
         eos = cfg.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         host_pages = config.host_tokens // config.page_size if config.host_tokens else None
-        apart = {Retention.WINDOW: config.window_tokens, Retention.CHECKPOINT: config.state_tokens}
-        pages = {p.name: (apart.get(p.retention) or config.device_tokens) // config.page_size
-                 for p in self.layout.pools}
+        sized_by = _sized_by(self.layout, config)
+        pages = {n: getattr(config, knob) // config.page_size for n, knob in sized_by.items()}
         self._csa_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == CSA]
         self._index_topk = int(getattr(cfg, "index_topk", 1))
         self._c4_ratio = int(self.layout.pool("c4").ratio or 1) if self._csa_layers else 1
@@ -110,7 +118,8 @@ class Engine:
             self.device_bytes = arena_bytes(self.layout, pages, in_arena, hot_bytes,
                                             bounds.peak_pages(config.device_tokens),
                                             bounds.spread)
-        sizing = self._check_memory(config, pages, host_pages, resident, in_arena, hot_bytes)
+        sizing = self._check_memory(config, pages, sized_by, host_pages, resident, in_arena,
+                                    hot_bytes)
         arena = None
         with allocating(sizing):
             if self.device_bytes is not None:
@@ -153,13 +162,14 @@ class Engine:
         self._busy = threading.Lock()
         self._closed = False
 
-    def _check_memory(self, config: CacheConfig, pages: dict[str, int], host_pages: int | None,
+    def _check_memory(self, config: CacheConfig, pages: dict[str, int],
+                      sized_by: dict[str, str], host_pages: int | None,
                       resident: Sequence[str], in_arena: Sequence[str], hot_bytes: int) -> str:
         """ValueError when the cache's tensors would take more memory than the device or
         this machine has (validation.check_memory), naming the settings that size each
-        part; those settings, for later messages."""
+        part (`sized_by`: the setting behind each pool's `pages`); those settings, for
+        later messages."""
         page = self.layout.page_bytes()
-        sized = {Retention.WINDOW: "window_tokens", Retention.CHECKPOINT: "state_tokens"}
         on_device: list[Part] = []
         if self.device_bytes is not None:
             knob = "device_bytes" if config.device_bytes is not None else "device_tokens"
@@ -167,11 +177,9 @@ class Engine:
                               (knob,)))
         else:  # fixed pools, each sized by its setting
             fixed: dict[str, int] = {}
-            for spec in self.layout.pools:
-                if spec.name in in_arena:
-                    knob = sized.get(spec.retention, "device_tokens")
-                    knob = knob if getattr(config, knob) is not None else "device_tokens"
-                    fixed[knob] = fixed.get(knob, 0) + pages[spec.name] * page[spec.name]
+            for name in in_arena:
+                knob = sized_by[name]
+                fixed[knob] = fixed.get(knob, 0) + pages[name] * page[name]
             on_device += [(f"{k}={getattr(config, k)}", b, (k,)) for k, b in fixed.items()]
         if hot_bytes:
             sets = self._hot_requests(config, pages)
@@ -725,9 +733,10 @@ class Engine:
         """The cache's capacity in tokens (SGLang's `max_total_num_tokens`): `device_tokens`,
         or for a `device_bytes` budget the tokens whose pages in every pool of the arena its
         frames hold (what `device_tokens` would be for those bytes)."""
-        arena = self._prefix.arena
-        if self.config.device_bytes is None or arena is None:
+        if self.config.device_bytes is None:
             return self.config.device_tokens
+        arena = self._prefix.arena
+        assert arena is not None  # device_bytes always sizes one
         page = self.layout.page_bytes()
         per_page = sum(page[n] for n in arena.names)
         return arena.frames * arena.plan.frame_bytes // per_page * self.layout.page_size

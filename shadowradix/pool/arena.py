@@ -296,7 +296,7 @@ class ArenaPool:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         k, top = self.per_frame, self._top
-        if n > top + self.arena._top * k:
+        if n > top + self.arena.free_frames * k:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "
                                 f"{self.free_pages} free in the arena")
         if n == 0:

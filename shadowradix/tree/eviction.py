@@ -146,14 +146,10 @@ class Eviction:
                 now - (now - w.node.last_access) * stretch)
 
         while got() < want:
-            w, oldest = None, math.inf
-            for x in walks:  # the oldest head; the first on a tie
-                if x.node is not None:
-                    at = stamp(x)
-                    if w is None or at < oldest:
-                        w, oldest = x, at
-            if w is None:
+            live = [w for w in walks if w.node is not None]
+            if not live:
                 break
+            w = min(live, key=stamp)
             node = w.node
             assert node is not None
             if node.alive and w.row is None:
