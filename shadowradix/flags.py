@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -87,7 +87,7 @@ def byte_size(text: str) -> int:
     want = "a byte size >= 1 such as 40GiB, 512MiB, 1.5GB or 4096"
     try:  # decimal: 1.1GB is 1100000000 bytes exactly, not a float's 1100000000.0000002
         value = Decimal(number.strip()) * _UNITS[unit]
-    except (InvalidOperation, KeyError):
+    except (DecimalException, KeyError):  # a bad number, or one past Decimal's exponents
         raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
     if not value.is_finite() or value < 1 or value >= 2**63 or value != value.to_integral():
         raise argparse.ArgumentTypeError(f"must be {want} (a whole number of bytes), "

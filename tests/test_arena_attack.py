@@ -406,7 +406,8 @@ def test_byte_size_accepts(text, value):
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "-inf", "9" * 40, "", "GiB",
                                   "1.5.GiB", "0.5", "1e400", "40 GiBs", "40 G iB", "1e3e3",
-                                  "NaNGiB", "infGiB", "1 2"])
+                                  "NaNGiB", "infGiB", "1 2", "1e1000000", "1e999999GiB",
+                                  "1E1000001KB", "-1e1000000"])
 def test_byte_size_refuses(text):
     with pytest.raises(argparse.ArgumentTypeError):
         byte_size(text)
@@ -440,7 +441,7 @@ def no_uvicorn(monkeypatch):
     monkeypatch.setattr(socket, "socket", refuse)
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "9" * 40, "1e400"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "9" * 40, "1e400", "1e1000000"])
 def test_serve_device_bytes_bad_values_exit_2_naming_the_flag(capsys, no_uvicorn, value):
     rc, err = _serve_error(capsys, ["serve", "--model", "tiny", "--device-bytes", value])
     assert rc == 2 and "Traceback" not in err
@@ -503,6 +504,33 @@ def test_simulate_arena_too_small_is_a_clear_value_error():
     req = [TraceRequest(0, 512, 4, (1,))]
     with pytest.raises(ValueError):
         simulate(req, deepseek_v4_flash(), policy_choice("shadowradix"), 1e-9, arena=True)
+
+
+@pytest.mark.parametrize("arena", [True, False])
+@pytest.mark.parametrize("device_gb, says", [(1e300, "device_gb"), (1e9, "int32 page ids")])
+def test_simulate_a_huge_device_is_a_clear_value_error(arena, device_gb, says):
+    """A device too large to count: its bytes overflow a float (1e300 GB), or its pages
+    int32 ids (1e9 GB). Over an arena this was an OverflowError, and numpy's MemoryError
+    for an 88 GiB frame table the arena made before its pools checked their ids."""
+    from shadowradix.layout import deepseek_v4_flash
+    from shadowradix.sim.simulate import policy_choice, simulate
+    from shadowradix.sim.trace import TraceRequest
+
+    req = [TraceRequest(0, 600, 4, (1, 2))]
+    with pytest.raises(ValueError, match=says):
+        simulate(req, deepseek_v4_flash(), policy_choice("shadowradix"), device_gb,
+                 arena=arena)
+
+
+def test_simulate_cli_a_huge_arena_exits_2(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 10, '
+                     '"hash_ids": [1, 2]}\n')
+    from shadowradix.cli import main
+
+    for gb in ("1e300", "1e9"):
+        assert main(["simulate", str(trace), "--arena", "--policy", "shadowradix",
+                     "--device-gb", gb]) == 2
 
 
 # ------------------------------------------------------------- random online traffic

@@ -157,6 +157,10 @@ class Arena:
                              f"(the largest page, aligned)" + (
                                  f" besides the {self.reserved_frames} set apart"
                                  if self.reserved_frames else ""))
+        for name, k in self.plan.per_frame.items():  # before any array is made
+            if self.frames * k >= np.iinfo(PAGE_DTYPE).max:
+                raise ValueError(f"pool {name!r}: {self.frames * k} pages exceed int32 page "
+                                 f"ids (an arena of {total_bytes} bytes)")
         self.total_bytes = total_bytes
         self.owner = np.full(self.frames, FREE, dtype=np.int8)  # pool row, or FREE
         self._free = np.arange(self.frames - 1, -1, -1, dtype=PAGE_DTYPE)

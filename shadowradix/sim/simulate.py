@@ -76,6 +76,9 @@ def make_cache(layout: KVLayout, choice: PolicyChoice, device_bytes: float,
     With a host tier a shared-budget choice splits at SHARED_FALLBACK_RATIO instead.
     `arena`: a shared-budget choice draws its pages from the engine's arena (pool/arena.py:
     frames, so fragmentation counts; with a host tier too) instead of a byte count."""
+    for what, size in (("device", device_bytes), ("host", host_bytes)):
+        if not 0 <= size < math.inf:  # a huge device_gb times GB overflows to inf
+            raise ValueError(f"{what} bytes must be a finite number >= 0, got {size!r}")
     ratio = _window_ratio(choice, bool(host_bytes) and not arena)
     # The host pools split as SGLang's whatever the device does (the arena is device only).
     host = (pages_for_budget(layout, host_bytes, ratio or SHARED_FALLBACK_RATIO)
@@ -102,9 +105,10 @@ def _check_sizes(device_gb: float | None, host_gb: float, storage_gb: float,
                  write_policy: str) -> None:
     """ValueError for a size that is not a number of GB (NaN; infinity where only storage
     takes it) or a write policy the host tier would refuse, whether or not a host runs."""
-    if device_gb is not None and not 0 < device_gb < math.inf:
+    # In bytes too: a finite GB past about 1.7e299 overflows to infinity.
+    if device_gb is not None and not 0 < device_gb * GB < math.inf:
         raise ValueError(f"device_gb must be a finite number > 0, got {device_gb!r}")
-    if not 0 <= host_gb < math.inf:
+    if not 0 <= host_gb * GB < math.inf:
         raise ValueError(f"host_gb must be a finite number >= 0, got {host_gb!r}")
     if not storage_gb >= 0:
         raise ValueError(f"storage_gb must be >= 0 (inf: unbounded), got {storage_gb!r}")
