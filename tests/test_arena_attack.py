@@ -191,6 +191,41 @@ def test_hisparse_with_device_bytes_too_small_for_its_hot_buffers_is_a_clear_err
                                           hisparse_buffer=64, hisparse_requests=64))
 
 
+@pytest.mark.parametrize("frames", [8, 40, 200])
+def test_hisparse_on_by_default_keeps_a_device_bytes_budget_that_serves_off(model, frames):
+    """Turning HiSparse on never grows device memory: by default its hot buffers take the
+    bytes the C4 pool would have taken of `device_bytes`. They were sized from
+    `device_tokens`' default (65,536 tokens) whatever the budget, so a budget that served
+    with HiSparse off could not even be built with it on (hundreds of frames set apart)."""
+    budget = frames * frame_bytes(model)
+    off = Engine.from_hf(model, CacheConfig(page_size=PS, device_bytes=budget))
+    on = Engine.from_hf(model, CacheConfig(page_size=PS, device_bytes=budget,
+                                           hisparse_buffer=64, debug_poison=True))
+    assert on.device_bytes == off.device_bytes == budget
+    fb = frame_bytes(model)
+    c4 = budget // sum(on.layout.page_bytes().values()) * on.layout.pool("c4").page_bytes(PS)
+    one = Engine.from_hf(model, CacheConfig(page_size=PS, device_bytes=budget,
+                                            hisparse_buffer=64, hisparse_requests=1))
+    # C4's share in whole frames, or one set where even that is more
+    assert on.arena_info()["reserved_bytes"] <= max(-(-c4 // fb) * fb,
+                                                   one.arena_info()["reserved_bytes"])
+    assert on.max_sequence_len() >= min(off.max_sequence_len(), 100)
+    prompt = rand_tokens(40, 3600)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    check(model, prompt, on.generate([prompt], params, return_logits=True)[0], greedy=True)
+    on.check_integrity()
+
+
+def test_serve_device_bytes_too_small_beside_hot_buffers_exits_2(capsys, no_uvicorn):
+    """As for one frame without HiSparse: exit 2 naming the flags before anything loads,
+    never a server whose model then fails to load (the check left the hot buffers out)."""
+    rc, err = _serve_error(capsys, ["serve", "--model", "tiny", "--device-bytes", "40000",
+                                    "--hisparse-buffer", "64", "--hisparse-requests", "1"])
+    assert rc == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert "--device-bytes" in line and "--hisparse-requests" in line
+
+
 def test_hisparse_at_the_edge_of_its_arena_completes_exact(model):
     fb = frame_bytes(model)
     probe = Engine.from_hf(model, CacheConfig(page_size=PS, device_bytes=100 * fb,

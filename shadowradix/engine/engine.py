@@ -45,6 +45,7 @@ from shadowradix.model.mtp_runner import MTPRunner
 from shadowradix.pool.arena import Arena, arena_bytes
 from shadowradix.sparse import AccessStream
 from shadowradix.sparse.hot_buffer import HotBuffers, HotSet
+from shadowradix.sparse.hot_sizing import hot_bytes, hot_sets
 from shadowradix.tiers.bounds import RequestBounds
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tiers.manager import CacheManager, Lease
@@ -109,23 +110,27 @@ class Engine:
         self._check_hisparse(config)
         resident = ("c4",) if config.hisparse_buffer is not None else ()
         in_arena = [n for n in self.layout.pool_names if n not in resident]
-        hot_bytes = self._hot_bytes(config, pages)
+        self._hot_sets = 0 if config.hisparse_buffer is None else hot_sets(
+            self.layout, config.hisparse_buffer, config.hisparse_requests, pages["c4"],
+            config.device_bytes)
+        hot = 0 if config.hisparse_buffer is None else hot_bytes(
+            self.layout, len(self._csa_layers), self._hot_sets, config.hisparse_buffer)
         self.device_bytes = config.device_bytes
         if self.device_bytes is None and config.window_tokens is config.state_tokens is None:
             # device_tokens as a shorthand: the bytes that many tokens take in every pool,
             # and at least what the longest request of fixed pools that size takes alone
             bounds = RequestBounds.of(self.layout, named_policy(config.policy))
-            self.device_bytes = arena_bytes(self.layout, pages, in_arena, hot_bytes,
+            self.device_bytes = arena_bytes(self.layout, pages, in_arena, hot,
                                             bounds.peak_pages(config.device_tokens),
                                             bounds.spread)
         sizing = self._check_memory(config, pages, sized_by, host_pages, resident, in_arena,
-                                    hot_bytes)
+                                    hot)
         arena = None
         with allocating(sizing):
             if self.device_bytes is not None:
                 try:
                     arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
-                                  reserved_bytes=hot_bytes)
+                                  reserved_bytes=hot)
                 except ValueError as e:
                     raise ValueError(f"device_bytes={self.device_bytes}: {e}") from None
             self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
@@ -182,8 +187,7 @@ class Engine:
                 fixed[knob] = fixed.get(knob, 0) + pages[name] * page[name]
             on_device += [(f"{k}={getattr(config, k)}", b, (k,)) for k, b in fixed.items()]
         if hot_bytes:
-            sets = self._hot_requests(config, pages)
-            on_device.append((f"HiSparse's hot buffers (hisparse_requests={sets}, "
+            on_device.append((f"HiSparse's hot buffers (hisparse_requests={self._hot_sets}, "
                               f"hisparse_buffer={config.hisparse_buffer})", hot_bytes,
                               ("hisparse_requests", "hisparse_buffer")))
         in_host: list[Part] = [(f"device_tokens={config.device_tokens} (its {n} pool in host "
@@ -207,31 +211,14 @@ class Engine:
                              f"newest entry needs a slot besides the {self._index_topk} read),"
                              f" got {config.hisparse_buffer}")
 
-    def _hot_requests(self, config: CacheConfig, pages: dict[str, int]) -> int:
-        """HiSparse: how many hot-buffer sets, by default as many as the bytes the C4 pool
-        would have taken on the device hold."""
-        assert config.hisparse_buffer is not None
-        per_page = self.layout.pool("c4").entries_per_page(self.layout.page_size)
-        return config.hisparse_requests or max(1, pages["c4"] * per_page
-                                               // config.hisparse_buffer)
-
-    def _hot_bytes(self, config: CacheConfig, pages: dict[str, int]) -> int:
-        """HiSparse's hot buffers' bytes, set apart from an arena (0 without HiSparse)."""
-        if config.hisparse_buffer is None:
-            return 0
-        spec = self.layout.pool("c4")
-        return (len(self._csa_layers) * self._hot_requests(config, pages)
-                * config.hisparse_buffer * spec.entry_bytes)
-
     def _hot_buffers(self, config: CacheConfig) -> HotBuffers | None:
-        """HiSparse's device buffers: `_hot_requests` buffer sets."""
+        """HiSparse's device buffers: `_hot_sets` buffer sets."""
         n = config.hisparse_buffer
         if n is None:
             return None
         spec = self.layout.pool("c4")
         per_page = spec.entries_per_page(self.layout.page_size)
-        pages = {"c4": self._prefix.pools["c4"].num_pages}
-        return HotBuffers(self._csa_layers, self._hot_requests(config, pages), n, per_page,
+        return HotBuffers(self._csa_layers, self._hot_sets, n, per_page,
                           spec.entry_shape, getattr(torch, spec.dtype), self.device)
 
     @classmethod

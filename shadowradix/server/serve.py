@@ -282,7 +282,9 @@ def _check_arena(args: argparse.Namespace, page: int) -> None:
     read from its config before anything loads (ValueError naming the flag). The engine
     checks again with the dtypes of the weights it loads."""
     from shadowradix.layout.presets import deepseek_v4
+    from shadowradix.model.attention import CSA
     from shadowradix.pool.arena import plan_frames
+    from shadowradix.sparse.hot_sizing import hot_bytes, hot_sets
 
     try:
         if args.model == "tiny":
@@ -299,10 +301,18 @@ def _check_arena(args: argparse.Namespace, page: int) -> None:
         return
     names = [n for n in layout.pool_names if not (args.hisparse_buffer and n == "c4")]
     frame = plan_frames(layout, names).frame_bytes
-    if args.device_bytes < frame:
+    hot = 0  # HiSparse's hot buffers, set apart in whole frames (as the engine does)
+    if args.hisparse_buffer:
+        sets = hot_sets(layout, args.hisparse_buffer, args.hisparse_requests,
+                        args.device_tokens or 0, args.device_bytes)
+        csa = sum(kind == CSA for kind in hf_config.layer_types)
+        hot = -(-hot_bytes(layout, csa, sets, args.hisparse_buffer) // frame) * frame
+    if args.device_bytes < frame + hot:
+        beside = (f" besides the {hot} bytes of HiSparse's hot buffers (--hisparse-requests "
+                  f"{sets}, --hisparse-buffer {args.hisparse_buffer})" if hot else "")
         raise ValueError(f"--device-bytes {args.device_bytes} holds no frame of this "
                          f"model's arena ({frame} bytes: its largest page at page size "
-                         f"{page}, aligned)")
+                         f"{page}, aligned){beside}")
 
 
 def runtime_from_args(args: argparse.Namespace) -> Runtime:
