@@ -166,7 +166,7 @@ def _add_trace_commands(sub: Any) -> None:
     syn.add_argument("--rate", type=positive_float, default=1.0, help="conversations per second")
     syn.add_argument("--think-time", type=non_negative_float, default=60.0,
                      help="mean seconds between a conversation's turns (exponential)")
-    syn.add_argument("--max-context", type=int_range(2), default=131072,
+    syn.add_argument("--max-context", type=int_range(2, 1 << 30), default=131072,
                      help="a conversation ends before a sequence would pass this")
     syn.add_argument("--block-size", type=positive_int, default=512, help="tokens per hash block")
     syn.add_argument("--seed", type=non_negative_int, default=0)

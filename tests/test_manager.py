@@ -135,3 +135,42 @@ def test_live_leases_are_kept_in_admission_order():
     assert list(manager.leases) == live
     assert manager.release_orphans(set(live[5:])) == 5
     assert list(manager.leases) == live[5:]
+
+
+@pytest.mark.parametrize("ps, window", [(2, 1), (4, 3), (8, 7)])
+@pytest.mark.parametrize("policy", ["shadowradix", "end-only", "no-shadows"])
+def test_under_a_shared_budget_a_request_that_fits_ever_runs_alone(ps, window, policy):
+    """`fits_ever` (and `chunk_end`) under a shared byte budget (the simulator's default)
+    checked only each pool's ceiling, which is the whole budget: requests it said fit were
+    refused or could not grow alone on an empty cache (3,795 such lengths over a grid of
+    layouts and budgets). Now the pages a request takes alone are counted in bytes, each
+    pool at its peak (those peaks need not coincide, so a few lengths past the first one
+    refused may still run): what it admits runs."""
+    from shadowradix.sim.sizing import pages_for_shared_budget
+    from shadowradix.tree.policy import named_policy
+
+    lay = tiny_layout(ps, window)
+    for mult in (2, 3, 5):
+        budget = mult * sum(lay.page_bytes().values())
+        for n in range(1, 16 * ps):
+            cache = PrefixCache(lay, pages_for_shared_budget(lay, budget),
+                                named_policy(policy), budget=budget)
+            manager = CacheManager(cache)
+            seq = np.arange(n, dtype=np.int32)
+            fits = manager.fits_ever(n)
+            lease = manager.admit(seq, n, fit=True)
+            ran = lease is not None
+            done = 0
+            while ran and done < n:
+                end = manager.chunk_end(lease, done, n)
+                ran = manager.grow(lease, end)
+                if ran and end < n:
+                    manager.cache_prefix(lease, seq, end)
+                done = end
+            if lease is not None:
+                (manager.finish(lease, seq, n) if ran else manager.abort(lease))
+                manager.check_integrity()
+            assert ran or not fits, (mult, n)
+            if not fits:
+                assert n > 1  # the budget holds a page of every pool: one token fits
+                break

@@ -201,3 +201,76 @@ def test_a_capped_store_evicts_and_helps_less(simulated):
     big = simulated(lay, policy_choice("shadowradix"), 8.0, storage_gb=2000.0)
     alone = simulated(lay, policy_choice("shadowradix"), 8.0)
     assert alone["hit_rate"] <= small["hit_rate"] < big["hit_rate"] <= big["bound_hit_rate"]
+
+
+# ------------------------------------------------- hostile traces (found by an attack)
+
+def _trace_line(**kw) -> str:
+    d = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}
+    d.update(kw)
+    return json.dumps(d) + "\n"
+
+
+def test_a_request_past_int32_token_ids_is_a_trace_error(tmp_path, capsys):
+    """output_length 1e11 (no sequence chain): the replay made up that many output tokens
+    in one int32 array (373 GiB) and died with numpy's MemoryError."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(_trace_line(output_length=100_000_000_000))
+    assert main(["simulate", str(p), "--device-gb", "1", "--policy", "shadowradix"]) == 2
+    assert "input_length + output_length" in capsys.readouterr().err
+
+
+def test_a_short_prompt_in_a_huge_block_expands_only_its_tokens(tmp_path):
+    """A 5-token prompt in one block of 2**30 tokens: the replay expanded whole blocks (and
+    kept a buffer twice that: about 12 GB for 5 tokens). Under a 2 GiB address-space
+    limit it died with a MemoryError traceback."""
+    import resource
+    import subprocess
+    import sys
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(_trace_line(input_length=5, output_length=3, block_size=1 << 30))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "shadowradix", "simulate", str(p),
+                        "--device-gb", "1", "--policy", "shadowradix"], capture_output=True,
+                       text=True, preexec_fn=limit, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-600:]
+    req = load_trace(str(p))[0]
+    assert req.expanded_tokens == 5
+    assert req.sequence_hash_ids is None and req.prompt_tokens().tolist() == list(range(5))
+
+
+def test_made_up_output_tokens_stay_int32_past_two_to_the_31():
+    """Output tokens are numbered from 2**30 up in int32: past 2**31 they wrapped to negative
+    ids silently. They now start again at 2**30 (a later prompt never reads an output)."""
+    from shadowradix.sim.replay import _Tokens
+    from shadowradix.sim.trace import TraceRequest
+
+    tokens = _Tokens(with_output=True)
+    tokens.next_output = 2**31 - 2
+    _, seq = tokens(TraceRequest(0, 4, 4, (0,), block_size=4))
+    assert seq[4:].tolist() == [2**30 + i for i in range(4)]
+
+
+def test_a_storage_size_whose_bytes_overflow_is_unbounded_as_inf_is(capsys):
+    """--storage-gb inf was unbounded but 1e300 (bytes past a float) failed with 'cannot
+    convert float NaN to integer'."""
+    trace = str(bundled_trace("conversation"))
+    runs = []
+    for size in ("inf", "1e300"):
+        assert main(["simulate", trace, "--limit", "20", "--policy", "shadowradix",
+                     "--device-gb", "1", "--storage-gb", size]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0].splitlines()[-3:] == runs[1].splitlines()[-3:]
+
+
+def test_trace_synth_refuses_a_max_context_no_trace_request_can_hold(tmp_path, capsys):
+    """--max-context 1e12 with a 1e11-token system prompt allocated 745 GiB."""
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "synth", "--conversations", "2", "--max-context", "1000000000000",
+              "--system-tokens", "1e11,0", "-o", str(tmp_path / "s.jsonl")])
+    assert e.value.code == 2
+    assert "--max-context" in capsys.readouterr().err

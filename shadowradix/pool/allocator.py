@@ -39,6 +39,14 @@ def checked_free(name: str, in_use: np.ndarray, pages: np.ndarray) -> np.ndarray
     return pages
 
 
+def page_count(name: str, n: object) -> int:
+    """`n` as a count of pages to allocate: an int >= 0 (numpy's too, not a bool or a
+    float). Raises ValueError naming the pool, before anything changes."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"pool {name!r}: pages to allocate must be an int >= 0, got {n!r}")
+    return int(n)
+
+
 class PoolExhausted(RuntimeError):
     """`alloc` was asked for more pages than are free. Call `can_alloc` first."""
 
@@ -81,9 +89,9 @@ class PagePool:
         return 0 <= n <= self._top
 
     def alloc(self, n: int) -> np.ndarray:
-        """Take `n` free pages. Raises PoolExhausted (changing nothing) if fewer are free."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
+        """Take `n` free pages. Raises PoolExhausted (changing nothing) if fewer are free,
+        ValueError for a count that is not an int >= 0."""
+        n = page_count(self.name, n)
         if n > self._top:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, {self._top} free")
         self._top -= n

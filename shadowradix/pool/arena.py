@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shadowradix.layout.spec import KVLayout, PoolSpec
-from shadowradix.pool.allocator import PAGE_DTYPE, PoolExhausted, checked_free
+from shadowradix.pool.allocator import PAGE_DTYPE, PoolExhausted, checked_free, page_count
 
 if TYPE_CHECKING:
     from shadowradix.pool.storage import PoolStorage
@@ -97,10 +97,10 @@ def plan_frames(layout: KVLayout, names: Collection[str] | None = None) -> Frame
                 if waste < 0.01:
                     break
         frame += step
-    if best is None:  # no aligned cut within reach: one page of each pool per frame
-        frame = int(np.lcm.reduce([e for _, e in sizes.values()]))
+    if best is None:  # no aligned cut within reach: a frame every entry size divides,
+        frame = int(np.lcm.reduce([e for _, e in sizes.values()]))  # cut as finely as it goes
         frame *= -(-largest // frame)
-        best = (0.0, frame, {n: 1 for n in sizes})
+        best = (0.0, frame, {n: _per_frame(frame, b, e) for n, (b, e) in sizes.items()})
     _, frame, cut = best
     return FramePlan(frame, cut, {n: frame // k for n, k in cut.items()})
 
@@ -146,6 +146,9 @@ class Arena:
                  names: Collection[str] | None = None, reserved_bytes: int = 0) -> None:
         if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes < 0:
             raise ValueError(f"arena bytes must be an int >= 0, got {total_bytes!r}")
+        if isinstance(reserved_bytes, bool) or not isinstance(reserved_bytes, int | np.integer) \
+                or reserved_bytes < 0:
+            raise ValueError(f"reserved bytes must be an int >= 0, got {reserved_bytes!r}")
         self.layout = layout
         self.names = tuple(p.name for p in layout.pools if names is None or p.name in names)
         self.plan = plan_frames(layout, self.names)
@@ -297,8 +300,7 @@ class ArenaPool:
         """Take `n` pages: free slots of the frames it holds first (the one freed last
         first), then new frames. Raises PoolExhausted (changing nothing) if they do not
         fit."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
+        n = page_count(self.name, n)
         k, top = self.per_frame, self._top
         if n > top + self.arena.free_frames * k:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "

@@ -164,6 +164,8 @@ class _Tokens:
         prompt = req.prompt_tokens(self.buffer)
         if not (self.with_output and req.output_length):
             return prompt, prompt
+        if self.next_output + req.output_length > 1 << 31:  # past int32: number them anew
+            self.next_output = OUTPUT_TOKEN_BASE  # (a later prompt never reads an output)
         start, self.next_output = self.next_output, self.next_output + req.output_length
         return prompt, np.concatenate([prompt, np.arange(start, self.next_output,
                                                          dtype=np.int32)])

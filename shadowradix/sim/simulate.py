@@ -107,9 +107,11 @@ def _check_sizes(device_gb: float | None, host_gb: float, storage_gb: float,
     takes it) or a write policy the host tier would refuse, whether or not a host runs."""
     # In bytes too: a finite GB past about 1.7e299 overflows to infinity.
     if device_gb is not None and not 0 < device_gb * GB < math.inf:
-        raise ValueError(f"device_gb must be a finite number > 0, got {device_gb!r}")
+        raise ValueError(f"device_gb must be a finite number > 0 whose bytes fit a float "
+                         f"(below 1.6e299), got {device_gb!r}")
     if not 0 <= host_gb * GB < math.inf:
-        raise ValueError(f"host_gb must be a finite number >= 0, got {host_gb!r}")
+        raise ValueError(f"host_gb must be a finite number >= 0 whose bytes fit a float "
+                         f"(below 1.6e299), got {host_gb!r}")
     if not storage_gb >= 0:
         raise ValueError(f"storage_gb must be >= 0 (inf: unbounded), got {storage_gb!r}")
     if write_policy not in WRITE_POLICIES:
@@ -170,7 +172,8 @@ def simulate(requests: Sequence[TraceRequest], layout: KVLayout, choice: PolicyC
     host = HostTier(cache, mover, write_policy) if host_pages else None  # type: ignore[arg-type]
     store = None
     if storage_gb:
-        store = SimStorage(cache, None if storage_gb == float("inf") else storage_gb * GB)
+        bytes_ = storage_gb * GB  # inf (or a size whose bytes overflow to it): unbounded
+        store = SimStorage(cache, None if bytes_ == math.inf else bytes_)
     t0 = time.perf_counter()
     st = replay(cache, requests, with_output=True, chunk_pages=chunk_pages,
                 on_request=on_request, host=host, storage=store)

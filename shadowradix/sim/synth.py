@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shadowradix.sim.trace import BLOCK_TOKENS, DenseIds, TraceRequest, chain_hashes
+from shadowradix.sim.trace import (
+    BLOCK_TOKENS,
+    OUTPUT_TOKEN_BASE,
+    DenseIds,
+    TraceRequest,
+    chain_hashes,
+)
 
 
 class ShapeError(ValueError):
@@ -96,8 +102,9 @@ class ChatShape:
                 raise ShapeError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
             raise ShapeError("seed", f"must be >= 0, got {self.seed}")
-        if self.max_context < 2:
-            raise ShapeError("max_context", f"must be >= 2, got {self.max_context}")
+        if not 2 <= self.max_context <= OUTPUT_TOKEN_BASE:
+            raise ShapeError("max_context", f"must be in [2, {OUTPUT_TOKEN_BASE}] (2**30: a "
+                             f"trace request holds no more), got {self.max_context}")
         if self.turns_max < self.turns_min:
             raise ShapeError("turns_max", f"turns need 1 <= min <= max, got {self.turns_min}, "
                              f"{self.turns_max}")

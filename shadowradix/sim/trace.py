@@ -38,13 +38,18 @@ def _offsets(block_size: int) -> np.ndarray:
 
 def _expand(ids: Sequence[int], block_size: int, length: int,
             out: np.ndarray | None) -> np.ndarray:
-    """Block h becomes h * block_size + [0, block_size); cut at `length`. Into `out` if
-    given (int32, at least len(ids) * block_size long), returning a view of it."""
-    n = len(ids) * block_size
+    """Block h becomes h * block_size + [0, block_size); cut at `length` (at most
+    len(ids) * block_size). Into `out` if given (int32, at least `length` long), returning
+    a view of it. O(length): a partial last block is never expanded whole."""
     if out is None:
-        out = np.empty(n, dtype=np.int32)
-    base = np.asarray(ids, dtype=np.int32) * block_size
-    np.add(base[:, None], _offsets(block_size), out=out[:n].reshape(-1, block_size))
+        out = np.empty(length, dtype=np.int32)
+    full, rest = divmod(length, block_size)
+    base = np.asarray(ids[:full + (rest > 0)], dtype=np.int32) * block_size
+    if full:
+        np.add(base[:full, None], _offsets(block_size),
+               out=out[:full * block_size].reshape(full, block_size))
+    if rest:
+        np.add(base[full], np.arange(rest, dtype=np.int32), out=out[full * block_size:length])
     return out[:length]
 
 
@@ -73,7 +78,8 @@ class TraceRequest:
     @property
     def expanded_tokens(self) -> int:
         """Room `prompt_tokens` and `sequence_tokens` need in a caller's buffer."""
-        return len(self.sequence_hash_ids or self.hash_ids) * self.block_size
+        return self.sequence_length if self.sequence_hash_ids is not None else (
+            self.input_length)
 
     @property
     def prompt_blocks(self) -> tuple[int, ...]:
@@ -146,6 +152,9 @@ def _problem(req: TraceRequest) -> str | None:
         return f"block_size must be >= 1, got {bs}"
     if req.input_length < 1 or req.output_length < 0:
         return "input_length must be >= 1 and output_length >= 0"
+    if req.input_length + req.output_length > OUTPUT_TOKEN_BASE:  # int32 token ids
+        return (f"input_length + output_length must be at most {OUTPUT_TOKEN_BASE} (2**30) "
+                f"tokens, got {req.input_length + req.output_length}")
     if len(req.hash_ids) != _blocks(req.input_length, bs):
         return (f"{len(req.hash_ids)} hash_ids for input_length {req.input_length} "
                 f"(expected {_blocks(req.input_length, bs)} blocks of {bs} tokens)")

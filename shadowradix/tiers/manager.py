@@ -122,7 +122,14 @@ class CacheManager:
         peak = self.peak_pages(tokens)
         if self.cache.arena is not None:
             return self.cache.fits_arena(peak, self._spread)
-        return all(self.cache.pools[n].num_pages >= k for n, k in peak.items())
+        return all(self.cache.pools[n].num_pages >= k for n, k in peak.items()) and (
+            self._fits_budget(peak))
+
+    def _fits_budget(self, pages: dict[str, int]) -> bool:
+        """Under a shared byte budget, whether `pages` (per pool) fit in it on their own
+        (every pool's own ceiling is the whole budget); True without one."""
+        budget = self.cache.budget
+        return budget is None or self.cache.bytes_of(pages) <= budget
 
     def chunk_end(self, lease: Lease, start: int, end: int) -> int:
         """Where a chunk [start, end) of a running request must end for its pages to fit
@@ -147,22 +154,29 @@ class CacheManager:
                 continue
             room = self._pool_pages[row] - base[row] + have[row]  # the most pages it may want
             end = min(end, room * ps + (ps - 1 if self._whole_only[row] else 0))
-        if arena is None or self._frames_at(end, base, have) <= arena.frames:
+        if self._fits_alone(end, base, have):
             return end
-        lo, hi = 0, end  # the frames it takes grow with e: the largest e that fits
+        lo, hi = 0, end  # what it takes grows with e: the largest e that fits
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._frames_at(mid, base, have) <= arena.frames else (lo, mid)
+            lo, hi = (mid, hi) if self._fits_alone(mid, base, have) else (lo, mid)
         return lo
 
-    def _frames_at(self, end: int, base: Sequence[int], have: Sequence[int]) -> int:
-        """Arena: the frames a request takes on its own once it reaches `end`: every page
-        of an ALL pool (packed), its `base` pages of a window or checkpoint pool and those it
-        grows there from `have` (a frame each: see `PrefixCache.fits_arena`)."""
+    def _fits_alone(self, end: int, base: Sequence[int], have: Sequence[int]) -> bool:
+        """Whether what a request takes on its own once it reaches `end` fits the memory
+        its pools share (True where they share none): every page of an ALL pool, its `base`
+        pages of a window or checkpoint pool and those it grows there from `have`. Over an
+        arena, in frames (those pools a frame each: see `PrefixCache.fits_arena`); under a
+        byte budget, in bytes."""
+        arena = self.cache.arena
+        if arena is None and self.cache.budget is None:
+            return True
         want = self._want(end)
         pages = {n: base[row] + max(want[row] - have[row], 0) if row in self._capped
                  else want[row] for row, n in enumerate(self.names)}
-        return self.cache.arena_frames(pages, self._spread)
+        if arena is not None:
+            return self.cache.arena_frames(pages, self._spread) <= arena.frames
+        return self._fits_budget(pages)
 
     # -------------------------------------------------------------- admit
     def prefetch(self, tokens: np.ndarray) -> Future[Fetched] | None:

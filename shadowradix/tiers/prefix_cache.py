@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shadowradix.layout.spec import KVLayout, Retention
-from shadowradix.pool.allocator import PAGE_DTYPE, PagePool
+from shadowradix.pool.allocator import PAGE_DTYPE, PagePool, page_count
 from shadowradix.pool.arena import Arena, ArenaPool
 from shadowradix.tree.node import Node
 from shadowradix.tree.policy import CheckpointPolicy
@@ -81,6 +81,8 @@ class PrefixCache:
                  host_pages: int | Mapping[str, int] | None = None,
                  budget: int | None = None, in_host_memory: Collection[str] = (),
                  arena: Arena | None = None) -> None:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ValueError(f"budget must be an int number of bytes, got {budget!r}")
         if budget is not None and (device is not None or host_pages is not None or budget < 0
                                    or arena is not None):
             raise ValueError("a shared budget needs metadata-only device pools (device=None), "
@@ -186,6 +188,7 @@ class PrefixCache:
         """Whether `alloc(need, tier)` would succeed: free plus evictable pages cover every
         pool. Changes nothing."""
         pools, tree = self.tier_pools(tier), self.tree
+        self._check_need(need, pools)
         shared = self._arena_pools if tier == DEVICE else {}  # frames any pool may free
         for name, n in need.items():
             if n > 0 and name not in shared and pools[name].free_pages + tree.evictable(
@@ -365,14 +368,17 @@ class PrefixCache:
     def _short_bytes(self, need: Mapping[str, int]) -> int:
         """Shared budget: bytes that must be let go before `need` fits (<= 0: none)."""
         assert self.budget is not None
+        return self.used_bytes() + self.bytes_of(need) - self.budget
+
+    def bytes_of(self, pages: Mapping[str, int]) -> int:
+        """The bytes of `pages` (a count per pool; counts below 0 count none)."""
         pb = self._page_bytes
-        return self.used_bytes() + sum(n * pb[name] for name, n in need.items() if n > 0) - (
-            self.budget)
+        return sum(n * pb[name] for name, n in pages.items() if n > 0)
 
     def used_bytes(self, tier: int = DEVICE) -> int:
         """Bytes of the pages in use in one tier's pools."""
-        pb = self._page_bytes
-        return sum(pool.used_pages * pb[name] for name, pool in self.tier_pools(tier).items())
+        return self.bytes_of({name: pool.used_pages
+                              for name, pool in self.tier_pools(tier).items()})
 
     def alloc(self, need: Mapping[str, int], tier: int = DEVICE,
               room: SpillRoom | None = None) -> dict[str, np.ndarray] | None:
@@ -384,12 +390,21 @@ class PrefixCache:
         evicting, when the frames could not be freed (pages of running requests spread
         over them).
         """
+        self._check_need(need, self.tier_pools(tier))
         t_alloc = time.perf_counter()
         try:
             return self._alloc(need, tier, room)
         finally:
             self.alloc_seconds += time.perf_counter() - t_alloc
             self.allocs += 1
+
+    @staticmethod
+    def _check_need(need: Mapping[str, int], pools: Mapping[str, Any]) -> None:
+        """ValueError for a pool not in the tier or a count not an int >= 0."""
+        for name, n in need.items():
+            if name not in pools:
+                raise ValueError(f"no pool {name!r} in this tier; pools: {', '.join(pools)}")
+            page_count(name, n)
 
     def _alloc(self, need: Mapping[str, int], tier: int,
                room: SpillRoom | None) -> dict[str, np.ndarray] | None:
@@ -434,13 +449,38 @@ class PrefixCache:
                start: int = 0, *, finished: bool = True, tier: int = DEVICE,
                prompt: int | None = None) -> InsertResult:
         """Hand a request's own pages of `tier` for [start, ...) to the tree (see
-        ShadowRadix.insert); the ones it does not adopt are freed here."""
+        ShadowRadix.insert); the ones it does not adopt are freed here. ValueError
+        (changing nothing) for an id that is not a page of its pool in use, or one given
+        twice."""
+        self._check_own(pages, tier)
         result = self.tree.insert(tokens, pages, start, finished=finished, tier=tier,
                                   prompt=prompt)
         self.free(result.to_free, tier)
         if result.tail is not None:
             self.prune(result.tail)
         return result
+
+    def _check_own(self, pages: np.ndarray, tier: int) -> None:
+        """The ids >= 0 of a [pools, n] table must be pages of their pools in use, each
+        once (the tree checks the shape: anything else is left to it)."""
+        table = np.asarray(pages)
+        if table.ndim != 2 or table.shape[0] != len(self.layout.pools) or not table.size:
+            return
+        if not np.issubdtype(table.dtype, np.integer):
+            raise ValueError(f"page ids must be integers, got {table.dtype}")
+        pools = self.tier_pools(tier)
+        for row, name in enumerate(self.layout.pool_names):
+            ids = table[row][table[row] >= 0]
+            if not ids.size:
+                continue
+            pool = pools[name]
+            bad = ids >= pool.num_pages
+            bad[~bad] = ~pool.in_use(ids[~bad])
+            if bad.any():
+                raise ValueError(f"pool {name!r}: insert of page ids not in use: "
+                                 f"{ids[bad][:8].tolist()}")
+            if np.unique(ids).size != ids.size:
+                raise ValueError(f"pool {name!r}: insert of a page id twice")
 
     def evict(self, pool: str, num_pages: int, tier: int = DEVICE,
               room: SpillRoom | None = None) -> int:

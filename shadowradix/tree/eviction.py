@@ -104,20 +104,24 @@ class Eviction:
         freed: Freed = [got.rows]
         if want <= 0:
             return self._evict_result(freed)
-        if self.policy.tombstones and not self.policy.adaptive_lifetime:
+        # A row of 0 bytes (a pool outside the budget: in host memory beside an arena)
+        # frees none of it: only the walk of a row that counts takes its pages along.
+        counted = [r for r in self.short_lived_rows if page_bytes[r] > 0]
+        if self.policy.tombstones and not self.policy.adaptive_lifetime and counted:
             # Loose pages first, every row; a node's loose pages in the other short-lived
             # rows go with those of the row with the largest pages (one is useless
             # without the others: every short-lived row is needed at a resume point).
-            rows = sorted(self.short_lived_rows, key=lambda r: -page_bytes[r])
+            rows = sorted(counted, key=lambda r: -page_bytes[r])
+            along = [r for r in self.short_lived_rows if r != rows[0]]
             for i, row in enumerate(rows):
                 short = want - got()
                 if short > 0:
                     self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed,
-                                    None, rows[1:] if i == 0 else ())
+                                    None, along if i == 0 else ())
         self._evict_older(want, page_bytes, freed, got)
         # Pages the walk above did not reach (rows other than the one it walks by).
         for kept in (False, True) if self.policy.tombstones else ():
-            for row in self.short_lived_rows:
+            for row in counted:
                 short = want - got()
                 if short > 0:
                     self._tombstone(DEVICE, row, kept, -(-short // page_bytes[row]), freed,
@@ -131,7 +135,8 @@ class Eviction:
         if got() >= want:  # the loose pages did it: no walk to start (each pops a head)
             return
         rows = self.short_lived_rows if self.policy.tombstones else []
-        lead = max(rows, key=lambda r: page_bytes[r]) if rows else None
+        counted = [r for r in rows if page_bytes[r] > 0]  # a walk by a 0-byte row frees none
+        lead = max(counted, key=lambda r: page_bytes[r]) if counted else None
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
         walks = [_Walk(self, None, False)]
         if lead is not None:  # first on a tie (min keeps the first): loose, kept, leaf

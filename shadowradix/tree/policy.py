@@ -40,8 +40,9 @@ class CheckpointPolicy:
     adaptive_lifetime: bool = False
 
     def __post_init__(self) -> None:
-        if self.every_pages < 0:
-            raise ValueError(f"every_pages must be >= 0, got {self.every_pages}")
+        k = self.every_pages
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"every_pages must be an int >= 0, got {k!r}")
         if self.eager_window_release and not self.tombstones:
             raise ValueError("eager_window_release needs tombstones=True")
         if self.learn_resume and not self.tombstones:
