@@ -372,6 +372,31 @@ def test_evict_bytes_fault_then_the_engine_recovers(model, monkeypatch):
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("point", ["_remove_leaf", "_drop_dead_leaf", "_let_go"])
+@pytest.mark.parametrize("nth", [2, 4])
+def test_a_fault_halfway_through_an_eviction_walk_leaks_nothing(model, monkeypatch, point,
+                                                                nth):
+    """A walk that raised after letting some pages go lost them: the tree had forgotten
+    them and the result that named them never reached the cache (check_integrity: 'pages
+    in use but fewer owned (leak)'). Now they wait in `tree.stranded` and are freed."""
+    from shadowradix.tree.eviction import Eviction
+
+    eng = _fault_engine(model)
+    warm = [rand_tokens(40, 3900 + i) for i in range(4)]
+    eng.generate(warm, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    calls = fail_at(monkeypatch, Eviction, point, nth, MemoryError)
+    prompts = [rand_tokens(60, 3910 + i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with pytest.raises(MemoryError):
+        eng.generate(prompts, params)
+    monkeypatch.undo()
+    assert calls[0] >= nth
+    eng.check_integrity()
+    for p, r in zip(prompts, eng.generate(prompts, params, return_logits=True), strict=True):
+        check(model, p, r, greedy=True)
+    eng.check_integrity()
+
+
 # ------------------------------------------------------------- odd layouts, bf16
 
 @pytest.mark.parametrize("layers, window, hca, ps", [

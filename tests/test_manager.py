@@ -174,3 +174,48 @@ def test_under_a_shared_budget_a_request_that_fits_ever_runs_alone(ps, window, p
             if not fits:
                 assert n > 1  # the budget holds a page of every pool: one token fits
                 break
+
+
+@pytest.mark.parametrize("mode", ["fixed", "budget", "write_back", "write_through"])
+@pytest.mark.parametrize("point", ["_remove_leaf", "_let_go", "_table_pages",
+                                   "_drop_dead_leaf"])
+def test_a_fault_inside_any_eviction_walk_strands_no_page(mode, point, monkeypatch):
+    """Whatever the tiers, a tree walk that raises after letting pages go leaves them to
+    the cache (`tree.stranded`), which frees them at its next release: before, they leaked
+    (in use, owned by nobody). Faults at the 1st to 6th call of each point."""
+    from helpers import fail_at
+
+    from shadowradix.sim.sizing import pages_for_shared_budget
+    from shadowradix.tree.eviction import Eviction
+
+    layout = tiny_layout(4)
+    for nth in range(1, 7):
+        if mode == "budget":
+            budget = 6 * sum(layout.page_bytes().values())
+            cache = PrefixCache(layout, pages_for_shared_budget(layout, budget), budget=budget)
+        else:
+            cache = PrefixCache(layout, 8, host_pages=None if mode == "fixed" else 12)
+        host = None if cache.host_pools == {} else HostTier(
+            cache, CountingMover(), mode)  # type: ignore[arg-type]
+        manager = CacheManager(cache, host)
+        calls = fail_at(monkeypatch, Eviction, point, nth, MemoryError)
+        raised = False
+        for i in range(12):
+            tokens = np.arange(i * 50, i * 50 + 13, dtype=np.int32)
+            try:
+                lease = manager.admit(tokens, 13)
+                if lease is not None and manager.grow(lease, 13):
+                    manager.finish(lease, tokens, 13)
+                elif lease is not None:
+                    manager.abort(lease)
+            except MemoryError:
+                raised = True
+                manager.release_orphans(set())
+        monkeypatch.undo()
+        manager.check_integrity()
+        if raised:
+            cache.flush()
+            if host is not None:
+                cache.flush(1)
+            manager.check_integrity()
+            assert all(p.used_pages == 0 for p in cache.pools.values()), (nth, calls)

@@ -496,13 +496,19 @@ class PrefixCache:
         """Free the pages an eviction (or prune / unspill) let go, in both tiers. The tree
         has forgotten them: if a free raises, they and the rest wait in `_unreleased` (still
         in use, owned by the cache) and go back at the next release or allocation."""
+        self._queue(result)
+        self._release_pending()
+
+    def _queue(self, result: EvictResult) -> None:
         for tier, freed in ((DEVICE, result.freed), (HOST, result.freed_host)):
             for name, pages in freed.items():
                 if pages.size:
                     self._unreleased.append((tier, name, pages, True))
-        self._release_pending()
 
     def _release_pending(self) -> None:
+        stranded = self.tree.stranded  # let go by a tree walk that raised: freed here
+        while stranded:
+            self._queue(stranded.pop(0))
         while self._unreleased:
             tier, name, pages, evicted = self._unreleased[0]
             self.tier_pools(tier)[name].free(pages)  # atomic: on a fault it stays queued
@@ -529,8 +535,11 @@ class PrefixCache:
                 if tier != DEVICE or name not in self._arena_pools:  # the arena checked those
                     pool.check_integrity()
                 tree_pages = self.tree.all_pages(name, tier)
+                stranded = [(r.freed if tier == DEVICE else r.freed_host).get(name)
+                            for r in self.tree.stranded]  # the next release frees them
                 owned = [tree_pages, *(p for t, n, p, _ in self._unreleased
-                                       if t == tier and n == name)]
+                                       if t == tier and n == name),
+                         *(p for p in stranded if p is not None)]
                 if held is not None and name in held and tier == DEVICE:
                     owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))
                 allp = np.concatenate(owned)

@@ -8,8 +8,10 @@ owns only the LRU heaps, and is mixed into the tree.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +26,28 @@ from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.tier import DEVICE, HOST
 
 Freed = list[list[list[np.ndarray]]]  # [tier][pool row] -> arrays of page ids let go
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _salvaging(walk: F) -> F:
+    """A walk that raises halfway has let some pages go already (the tree forgot them):
+    what it had (`_freeing`) is kept in `stranded` for the cache to free, so a fault never
+    leaks a page. Each walk forgets a page before it records it, so a page recorded is
+    one no node holds."""
+
+    @functools.wraps(walk)
+    def run(self: Eviction, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return walk(self, *args, **kwargs)
+        except BaseException:
+            if self._freeing is not None:
+                self.stranded.append(self._evict_result(self._freeing))
+            raise
+        finally:
+            self._freeing = None
+
+    return run  # type: ignore[return-value]
+
 
 
 class Eviction:
@@ -53,7 +77,10 @@ class Eviction:
                        for t in range(self.tiers)]
         self._kept = [{row: LRUHeap(t * bits + 2 + 2 * row) for row in self.short_lived_rows}
                       for t in range(self.tiers)]
+        self.stranded: list[EvictResult] = []  # let go by walks that raised (`_salvaging`)
+        self._freeing: Freed | None = None  # what the running walk let go so far
 
+    @_salvaging
     def evict(self, pool: str, num_pages: int, tier: int = DEVICE,
               room: SpillRoom | None = None) -> EvictResult:
         """Let at least `num_pages` pages of `pool` go from `tier`, if that many are unlocked.
@@ -75,6 +102,7 @@ class Eviction:
         if not 0 <= tier < self.tiers:
             raise ValueError(f"tier {tier}: this tree has {self.tiers} tier(s)")
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        self._freeing = freed
         got = 0
         if num_pages > 0:
             if row in self._loose[tier] and self.policy.tombstones:
@@ -85,6 +113,7 @@ class Eviction:
                 self._evict_leaves(tier, row, num_pages - got, freed, room)
         return self._evict_result(freed)
 
+    @_salvaging
     def evict_bytes(self, want: int, page_bytes: list[int]) -> EvictResult:
         """One byte budget for every device pool: let at least `want` bytes go, if that
         many are unlocked, choosing across pools (page_bytes: bytes per page, per row).
@@ -102,6 +131,7 @@ class Eviction:
             raise ValueError("a shared byte budget needs a tree without a host tier")
         got = _Tally(page_bytes)
         freed: Freed = [got.rows]
+        self._freeing = freed
         if want <= 0:
             return self._evict_result(freed)
         # A row of 0 bytes (a pool outside the budget: in host memory beside an arena)
@@ -206,6 +236,7 @@ class Eviction:
             self.lifetime.remember(leaf.id, leaf.parent.id, leaf.key(self.page_size),
                                    pages, loose, self._n_nodes)
 
+    @_salvaging
     def prune(self, node: Node) -> EvictResult | None:
         """Remove `node` and unlocked ancestors while each is a leaf no tier can resume
         from (a running request's prefix, inserted without its live window, once the
@@ -213,28 +244,33 @@ class Eviction:
         if not node.alive or node is self.root or node.children or node.full_lock:
             return None
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        self._freeing = freed
         self._drop_dead_leaf(node, freed)
         return self._evict_result(freed)
 
+    @_salvaging
     def unspill(self, room: SpillRoom) -> EvictResult:
         """Undo what a room recorded (its copies were never submitted): the host cells it
         filled hold no data, so they go, with any node left resident nowhere. The caller
         frees the pages in the result (the host pages of the room included)."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        self._freeing = freed
         for node, cells, _, _ in room.taken:
             if not node.alive:
                 continue
             host = node.slot(HOST)
-            for row in range(self.n_pools):
-                pages = host[row][cells[row] & (host[row] >= 0)]
-                if pages.size:
-                    freed[HOST][row].append(pages)
-            self._count(cells & (host >= 0), -1, HOST, node)
-            host[cells] = -1
+            filled = cells & (host >= 0)
+            pages = [host[row][filled[row]] for row in range(self.n_pools)]
+            self._count(filled, -1, HOST, node)
+            host[cells] = -1  # forgotten, then recorded (see `_salvaging`)
+            for row, got in enumerate(pages):
+                if got.size:
+                    freed[HOST][row].append(got)
             self._drop_dead_leaf(node, freed)
         room.taken.clear()
         return self._evict_result(freed)
 
+    @_salvaging
     def forget(self, bad: list[list[np.ndarray]]) -> EvictResult:
         """Tombstone every cell holding a page of `bad` ([tier][pool row] -> page ids whose
         bytes never arrived: a failed copy), locked or not, and any node left resident
@@ -242,6 +278,7 @@ class Eviction:
         node's other ALL pages in that tier too. The caller frees the pages in the result
         and stops every reader of the device pages in it."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        self._freeing = freed
         hit, stack = [], list(self.root.children.values())
         all_rows = list(self.rule.all_rows)
         while stack:
@@ -257,11 +294,12 @@ class Eviction:
                     mask[all_rows] = slot[all_rows] >= 0
                 if mask.any():
                     hit.append(node)
-                    for row in range(self.n_pools):
-                        if mask[row].any():
-                            freed[tier][row].append(slot[row][mask[row]])
+                    lost = [slot[row][mask[row]] for row in range(self.n_pools)]
                     self._count(mask, -1, tier, node)
-                    slot[mask] = -1
+                    slot[mask] = -1  # forgotten, then recorded (see `_salvaging`)
+                    for row, got in enumerate(lost):
+                        if got.size:
+                            freed[tier][row].append(got)
         for node in hit:
             if node.alive:
                 self._drop_dead_leaf(node, freed)
@@ -377,8 +415,10 @@ class Eviction:
 
     def _drop_tier(self, node: Node, tier: int, freed: Freed) -> None:
         """Let every page of one tier of a node go; the node stays for the other tier."""
-        self._release_slot(node, tier, freed)
-        node.slot(tier)[:] = -1
+        slot = node.slot(tier)
+        pages = self._table_pages(slot)
+        slot[:] = -1  # forgotten, then recorded (see `_salvaging`)
+        self._record(pages, tier, freed)
         if node.parent is not None and node.parent is not self.root:
             self._leaves[tier].add(node.parent)
 
@@ -412,28 +452,32 @@ class Eviction:
 
     def _remove_leaf(self, node: Node, freed: Freed) -> None:
         assert not node.children and node.full_lock == 0 and node.parent is not None
-        for tier in range(self.tiers):
-            self._release_slot(node, tier, freed)
+        pages = [self._table_pages(node.slot(tier)) for tier in range(self.tiers)]
         parent = node.parent
         del parent.children[node.key(self.page_size)]
         node.alive = False
         node.parent = None
         self._n_nodes -= 1
+        for tier in range(self.tiers):  # unlinked, then recorded (see `_salvaging`)
+            self._record(pages[tier], tier, freed)
         if parent is not self.root:
             for tier in range(self.tiers):
                 if self.tiers > 1 or not parent.children:
                     self._leaves[tier].add(parent)
 
-    def _release_slot(self, node: Node, tier: int, freed: Freed) -> None:
-        """Record every page of one tier of a node as let go (the caller clears or drops
-        the node)."""
-        slot = node.slot(tier)
+    def _table_pages(self, slot: np.ndarray) -> list[np.ndarray]:
+        """Per pool row, the pages of a node's table of one tier (reads only)."""
         present = slot >= 0
-        for row in range(self.n_pools):
-            pages = slot[row][present[row]]
-            if pages.size:
-                freed[tier][row].append(pages)
-                self._held[tier][row] -= pages.size
+        return [slot[row][present[row]] for row in range(self.n_pools)]
+
+    def _record(self, pages: list[np.ndarray], tier: int, freed: Freed) -> None:
+        """Record per-row pages a node no longer holds as let go (the caller cleared or
+        dropped them first: see `_salvaging`)."""
+        held = self._held[tier]
+        for row, got in enumerate(pages):
+            if got.size:
+                freed[tier][row].append(got)
+                held[row] -= got.size
 
     def _count(self, mask: np.ndarray, step: int, tier: int = DEVICE,
                node: Node | None = None) -> None:
