@@ -133,6 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # TraceError is a ValueError; OSError: port in use
         print(f"shadowradix: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # a valid trace or sizes too large for this machine
+        print(f"shadowradix {args.command}: error: out of memory ({e or 'MemoryError'}); "
+              f"use a smaller trace, fewer tokens or smaller sizes", file=sys.stderr)
+        return 1
 
 
 TRACE_HELP = """\

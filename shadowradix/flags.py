@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from decimal import Decimal, DecimalException
+from decimal import Decimal, DecimalException, Inexact, localcontext
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -86,7 +86,10 @@ def byte_size(text: str) -> int:
     unit = raw[len(number):].strip().lower()
     want = "a byte size >= 1 such as 40GiB, 512MiB, 1.5GB or 4096"
     try:  # decimal: 1.1GB is 1100000000 bytes exactly, not a float's 1100000000.0000002
-        value = Decimal(number.strip()) * _UNITS[unit]
+        with localcontext() as exact:  # digits enough for the product; rounding refused
+            exact.prec = len(number) + 20
+            exact.traps[Inexact] = True
+            value = Decimal(number.strip()) * _UNITS[unit]
     except (DecimalException, KeyError):  # a bad number, or one past Decimal's exponents
         raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
     if not value.is_finite() or value < 1 or value >= 2**63 or value != value.to_integral():

@@ -467,7 +467,8 @@ def test_byte_size_accepts(text, value):
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "-inf", "9" * 40, "", "GiB",
                                   "1.5.GiB", "0.5", "1e400", "40 GiBs", "40 G iB", "1e3e3",
                                   "NaNGiB", "infGiB", "1 2", "1e1000000", "1e999999GiB",
-                                  "1E1000001KB", "-1e1000000"])
+                                  "1E1000001KB", "-1e1000000",
+                                  "1.0000000000000000000000000000001GB", "9" * 40 + "e-30"])
 def test_byte_size_refuses(text):
     with pytest.raises(argparse.ArgumentTypeError):
         byte_size(text)

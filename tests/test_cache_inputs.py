@@ -98,3 +98,17 @@ def test_arena_reserved_bytes_that_are_not_an_int_are_refused(reserved):
     fb = plan_frames(LAY).frame_bytes
     with pytest.raises(ValueError):
         Arena(LAY, 100 * fb, reserved_bytes=reserved)
+
+
+def test_numpy_integers_are_counts_like_ints():
+    """The checks above take numpy's integers as ints (a review of them refused these)."""
+    from shadowradix.sim.sizing import pages_for_shared_budget
+    from shadowradix.tree import CheckpointPolicy
+
+    budget = np.int64(8 * sum(LAY.page_bytes().values()))
+    cache = PrefixCache(LAY, pages_for_shared_budget(LAY, int(budget)), budget=budget)
+    assert cache.budget == budget
+    assert cache.alloc({"kv": np.int32(2)})["kv"].size == 2
+    assert CheckpointPolicy(every_pages=np.int64(4)).every_pages == 4
+    fb = plan_frames(LAY).frame_bytes
+    assert Arena(LAY, 100 * fb, reserved_bytes=np.int64(fb)).reserved_frames == 1

@@ -274,3 +274,24 @@ def test_trace_synth_refuses_a_max_context_no_trace_request_can_hold(tmp_path, c
               "--system-tokens", "1e11,0", "-o", str(tmp_path / "s.jsonl")])
     assert e.value.code == 2
     assert "--max-context" in capsys.readouterr().err
+
+
+def test_a_trace_too_large_for_memory_is_an_error_line_not_a_traceback(tmp_path):
+    """Within every bound (--max-context 2**30, block size 1) a 500M-token system prompt
+    still needs gigabytes: under a 3 GiB address-space limit `trace synth` died with
+    numpy's MemoryError traceback. It is now one error line, exit 1."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "shadowradix", "trace", "synth",
+                        "--conversations", "1", "--turns-min", "1", "--turns-max", "1",
+                        "--max-context", str(1 << 30), "--system-tokens", "500000000,0",
+                        "--prompt-tokens", "10,0", "--reply-tokens", "10,0",
+                        "--block-size", "1", "-o", str(tmp_path / "s.jsonl")],
+                       capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-400:]
+    assert "out of memory" in r.stderr.strip().splitlines()[-1]

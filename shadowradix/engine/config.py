@@ -80,7 +80,8 @@ class CacheConfig:
         this many requests run at once. None: as many as fit in the bytes the C4 pool
         would have taken on the device (so turning HiSparse on never grows device memory):
         `device_tokens`' C4 pages, or C4's share of `device_bytes` (its pages where every
-        pool holds the same tokens); at least one set.
+        pool holds the same tokens); at least one set (which may be more than C4's share
+        of a tiny budget).
     window_tokens: the sliding-window pool's size in tokens, a fixed pool of its own
         (None: the arena). Setting it, or `state_tokens`, makes every pool fixed, sized
         from `device_tokens` unless set apart here. A running request keeps only its window and

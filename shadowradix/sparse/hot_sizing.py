@@ -12,8 +12,9 @@ def hot_sets(layout: KVLayout, buffer: int, requests: int | None, c4_pages: int,
     """Hot-buffer sets on the device (at most this many requests run at once): `requests`,
     or by default as many as the bytes the C4 pool would have taken on the device hold:
     `c4_pages` of it (`device_tokens`'), or over a `device_bytes` budget C4's share of it
-    (its pages where every pool holds the same tokens). So turning HiSparse on never grows
-    device memory, and a budget that serves with it off still builds with it on."""
+    (its pages where every pool holds the same tokens), and at least one set. So turning
+    HiSparse on never grows device memory, and a budget that serves with it off still
+    builds with it on wherever one set fits in C4's share."""
     if requests is not None:
         return requests
     if device_bytes is not None:

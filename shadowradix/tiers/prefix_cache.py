@@ -81,7 +81,8 @@ class PrefixCache:
                  host_pages: int | Mapping[str, int] | None = None,
                  budget: int | None = None, in_host_memory: Collection[str] = (),
                  arena: Arena | None = None) -> None:
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        if budget is not None and (isinstance(budget, bool)
+                                   or not isinstance(budget, int | np.integer)):
             raise ValueError(f"budget must be an int number of bytes, got {budget!r}")
         if budget is not None and (device is not None or host_pages is not None or budget < 0
                                    or arena is not None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from numbers import Integral
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class CheckpointPolicy:
 
     def __post_init__(self) -> None:
         k = self.every_pages
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:
             raise ValueError(f"every_pages must be an int >= 0, got {k!r}")
         if self.eager_window_release and not self.tombstones:
             raise ValueError("eager_window_release needs tombstones=True")
