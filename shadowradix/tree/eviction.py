@@ -258,14 +258,7 @@ class Eviction:
         for node, cells, _, _ in room.taken:
             if not node.alive:
                 continue
-            host = node.slot(HOST)
-            filled = cells & (host >= 0)
-            pages = [host[row][filled[row]] for row in range(self.n_pools)]
-            self._count(filled, -1, HOST, node)
-            host[cells] = -1  # forgotten, then recorded (see `_salvaging`)
-            for row, got in enumerate(pages):
-                if got.size:
-                    freed[HOST][row].append(got)
+            self._forget_cells(node, HOST, cells & (node.slot(HOST) >= 0), freed)
             self._drop_dead_leaf(node, freed)
         room.taken.clear()
         return self._evict_result(freed)
@@ -294,16 +287,22 @@ class Eviction:
                     mask[all_rows] = slot[all_rows] >= 0
                 if mask.any():
                     hit.append(node)
-                    lost = [slot[row][mask[row]] for row in range(self.n_pools)]
-                    self._count(mask, -1, tier, node)
-                    slot[mask] = -1  # forgotten, then recorded (see `_salvaging`)
-                    for row, got in enumerate(lost):
-                        if got.size:
-                            freed[tier][row].append(got)
+                    self._forget_cells(node, tier, mask, freed)
         for node in hit:
             if node.alive:
                 self._drop_dead_leaf(node, freed)
         return self._evict_result(freed)
+
+    def _forget_cells(self, node: Node, tier: int, mask: np.ndarray, freed: Freed) -> None:
+        """Tombstone the `mask` cells ([pools, n], each holding a page) of a node's tier,
+        locked or not: counted, cleared, then recorded (see `_salvaging`)."""
+        slot = node.slot(tier)
+        lost = [slot[row][mask[row]] for row in range(self.n_pools)]
+        self._count(mask, -1, tier, node)
+        slot[mask] = -1
+        for row, pages in enumerate(lost):
+            if pages.size:
+                freed[tier][row].append(pages)
 
     def _evict_result(self, freed: Freed) -> EvictResult:
         out = [{p.name: _joined(f[i]) for i, p in enumerate(self.layout.pools)} for f in freed]
