@@ -340,6 +340,10 @@ class ArenaPool:
             return
         in_use = self._in_use
         in_use[pages] = False
+        if self._top + pages.size < k:  # fewer free slots than a frame: none goes back
+            self._push(pages)
+            self.used_pages -= pages.size
+            return
         frames = pages // k
         touched = frames  # with runs of one frame cut to one (a node's pages come in runs)
         if frames.size > 1:
