@@ -130,3 +130,43 @@ def test_the_mover_reports_a_failure_once_and_copies_again():
     assert mover.failures(again) == []
     assert float(t[("a", 0)][0, 2, 0]) == 5.0 and float(t[("a", 0)][0, 1, 0]) == 0.0
     mover.close()
+
+
+def _drain(eng, prompts):
+    ids = [eng.add_request(p, P, return_logits=True) for p in prompts]
+    results, faults = {}, 0
+    for _ in range(400):
+        if not eng.has_unfinished():
+            break
+        try:
+            outs = eng.step()
+        except Injected:
+            faults += 1
+            continue
+        for out in outs:
+            assert out.error is None, out.error
+            if out.finished:
+                results[out.request_id] = out.result
+    assert not eng.has_unfinished()
+    return ids, results, faults
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_fault_in_forget_during_recover_keeps_requests_exact(model, monkeypatch, policy, nth):
+    """A load-back fails, then forgetting its pages faults: the step raises, and on the
+    next ones every request goes on exact. The failure had been collected before the
+    fault, so the request reading the failed copy was never restarted and read pages whose
+    bytes never arrived (NaN logits under debug poison). HostTier now keeps what failed and
+    what left the tree until a `recover` gets through."""
+    from shadowradix.tree.eviction import Eviction
+
+    eng, turn2 = turn_two(model, policy)
+    copies = fail_copy(monkeypatch, 1)           # the first load-back of turn two fails
+    forgets = fail_at(monkeypatch, Eviction, "_forget_cells", nth, Injected)
+    ids, results, faults = _drain(eng, turn2)
+    monkeypatch.undo()
+    assert copies[0] >= 1 and forgets[0] >= nth and faults == 1
+    for rid, prompt in zip(ids, turn2, strict=True):
+        check(model, prompt, results[rid])
+    eng.check_integrity()

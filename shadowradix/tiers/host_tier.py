@@ -86,6 +86,11 @@ class HostTier:
         # calls give the same frames, however fast the copies ran.
         self._settled = 0
         self._floor = 0  # the newest ticket at the last `step_ticket`
+        # What failed copies wrote, until the tree has forgotten it, and the device pages
+        # that left the tree for them, until `recover` has reported them: a fault in
+        # forgetting keeps both for the next `recover`.
+        self._unforgotten: list[Written] = []
+        self._dropped: dict[str, list[np.ndarray]] = {}
         if arena is not None:
             cache.frames_in_flight = self.frames_in_flight
 
@@ -222,18 +227,20 @@ class HostTier:
         cache operations (it changes the tree)."""
         landed = [t for t in self._writes if self.mover.done(t)]  # before `failures`
         failed = self.mover.failures(ticket)
-        lost = [self._writes.pop(t, []) for t, _ in failed]
+        self._unforgotten += [self._writes.pop(t, []) for t, _ in failed]
         for t in landed:
             self._writes.pop(t, None)
-        if not failed:
-            self._settle_to(ticket)
-            return {}
-        errors = [exc for _, exc in failed if exc is not None]
-        self.counts["copy_errors"] += len(errors)
-        self.counts["copies_voided"] += len(failed)
-        log.warning("%d host copies failed (%d voided behind them), forgetting their pages: "
-                    "%r", len(errors), len(failed) - len(errors), errors[:1])
-        lost_pages = self._forget(lost)
+        if failed:
+            errors = [exc for _, exc in failed if exc is not None]
+            self.counts["copy_errors"] += len(errors)
+            self.counts["copies_voided"] += len(failed)
+            log.warning("%d host copies failed (%d voided behind them), forgetting their "
+                        "pages: %r", len(errors), len(failed) - len(errors), errors[:1])
+        if self._unforgotten:
+            self._forget(self._unforgotten)  # a fault here: the next `recover` goes on
+            self._unforgotten = []
+        lost_pages = {name: np.concatenate(p) for name, p in self._dropped.items()}
+        self._dropped = {}
         self._settle_to(ticket)
         return lost_pages
 
@@ -243,17 +250,30 @@ class HostTier:
         if ticket <= self.mover.last:
             self._settled = max(self._settled, ticket)
 
-    def _forget(self, lost: list[Written]) -> dict[str, np.ndarray]:
-        """Tombstone the tree's cells that hold any of these pages and free them."""
+    def _forget(self, lost: list[Written]) -> None:
+        """Tombstone the tree's cells that hold any of these pages and free them; the
+        device pages that left the tree wait in `_dropped` for `recover` to report."""
         rows = {name: row for row, name in enumerate(self.names)}
         bad: list[list[list[np.ndarray]]] = [[[] for _ in self.names] for _ in range(2)]
         for written in lost:
             for name, tier, pages in written:
                 bad[tier][rows[name]].append(np.asarray(pages, dtype=PAGE).ravel())
         merged = [[np.concatenate(p) if p else np.empty(0, PAGE) for p in tier] for tier in bad]
-        result = self.tree.forget(merged)
+        before = len(self.tree.stranded)
+        try:
+            result = self.tree.forget(merged)
+        except BaseException:  # what it let go already leaves the tree all the same
+            for freed in self.tree.stranded[before:]:
+                self._note_dropped(self.tree.result_of(freed).freed)
+            raise
+        self._note_dropped(result.freed)
         self.cache.release(result)
-        return {name: pages for name, pages in result.freed.items() if pages.size}
+
+    def _note_dropped(self, freed: dict[str, np.ndarray]) -> None:
+        """Device pages that left the tree for a failed copy, for `recover` to report."""
+        for name, pages in freed.items():
+            if pages.size:
+                self._dropped.setdefault(name, []).append(pages)
 
     # --------------------------------------------------------- from storage
     def land(self, tokens: np.ndarray, start: int, stop: int,

@@ -509,7 +509,8 @@ class PrefixCache:
     def _release_pending(self) -> None:
         stranded = self.tree.stranded  # let go by a tree walk that raised: freed here
         while stranded:
-            self._queue(stranded.pop(0))
+            self._queue(self.tree.result_of(stranded[0]))  # queued before it leaves
+            stranded.pop(0)
         while self._unreleased:
             tier, name, pages, evicted = self._unreleased[0]
             self.tier_pools(tier)[name].free(pages)  # atomic: on a fault it stays queued
@@ -536,11 +537,11 @@ class PrefixCache:
                 if tier != DEVICE or name not in self._arena_pools:  # the arena checked those
                     pool.check_integrity()
                 tree_pages = self.tree.all_pages(name, tier)
-                stranded = [(r.freed if tier == DEVICE else r.freed_host).get(name)
-                            for r in self.tree.stranded]  # the next release frees them
+                row = self.layout.index(name)
+                stranded = [p for freed in self.tree.stranded if tier < len(freed)
+                            for p in freed[tier][row]]  # the next release frees them
                 owned = [tree_pages, *(p for t, n, p, _ in self._unreleased
-                                       if t == tier and n == name),
-                         *(p for p in stranded if p is not None)]
+                                       if t == tier and n == name), *stranded]
                 if held is not None and name in held and tier == DEVICE:
                     owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))
                 allp = np.concatenate(owned)

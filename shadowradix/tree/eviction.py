@@ -40,8 +40,8 @@ def _salvaging(walk: F) -> F:
         try:
             return walk(self, *args, **kwargs)
         except BaseException:
-            if self._freeing is not None:
-                self.stranded.append(self._evict_result(self._freeing))
+            if self._freeing is not None:  # as it is: joining it could fault too
+                self.stranded.append(self._freeing)
             raise
         finally:
             self._freeing = None
@@ -77,7 +77,7 @@ class Eviction:
                        for t in range(self.tiers)]
         self._kept = [{row: LRUHeap(t * bits + 2 + 2 * row) for row in self.short_lived_rows}
                       for t in range(self.tiers)]
-        self.stranded: list[EvictResult] = []  # let go by walks that raised (`_salvaging`)
+        self.stranded: list[Freed] = []  # let go by walks that raised (`_salvaging`)
         self._freeing: Freed | None = None  # what the running walk let go so far
 
     @_salvaging
@@ -168,9 +168,8 @@ class Eviction:
         counted = [r for r in rows if page_bytes[r] > 0]  # a walk by a 0-byte row frees none
         lead = max(counted, key=lambda r: page_bytes[r]) if counted else None
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
-        walks = [_Walk(self, None, False)]
-        if lead is not None:  # first on a tie (min keeps the first): loose, kept, leaf
-            walks = [_Walk(self, lead, False), _Walk(self, lead, True), *walks]
+        kinds = [(lead, False), (lead, True)] if lead is not None else []
+        walks: list[_Walk] = []  # first on a tie (min keeps the first): loose, kept, leaf
         now = self._clock
 
         def stamp(w: _Walk) -> float:
@@ -180,24 +179,29 @@ class Eviction:
             return -math.inf if stretch == math.inf else (
                 now - (now - w.node.last_access) * stretch)
 
-        while got() < want:
-            live = [w for w in walks if w.node is not None]
-            if not live:
-                break
-            w = min(live, key=stamp)
-            node = w.node
-            assert node is not None
-            if node.alive and w.row is None:
-                if not node.children:
-                    self._remember(node, loose=False, whole=True)
-                    self._remove_leaf(node, freed)
-            elif node.alive and w.row is not None:
-                self._drop_short(node, rows, freed, w.kept)
-                if self._locked_rest(node, DEVICE, w.row, w.kept):
-                    w.skipped.append(node)
-            w.advance()
-        for w in walks:
-            w.requeue()
+        try:
+            for row, kept in (*kinds, (None, False)):
+                walks.append(_Walk(self, row, kept))
+                walks[-1].advance()  # to its first node
+            while got() < want:
+                live = [w for w in walks if w.node is not None]
+                if not live:
+                    break
+                w = min(live, key=stamp)
+                node = w.node
+                assert node is not None
+                if node.alive and w.row is None:
+                    if not node.children:
+                        self._remember(node, loose=False, whole=True)
+                        self._remove_leaf(node, freed)
+                elif node.alive and w.row is not None:
+                    self._drop_short(node, rows, freed, w.kept)
+                    if self._locked_rest(node, DEVICE, w.row, w.kept):
+                        w.skipped.append(node)
+                w.advance()
+        finally:  # after a fault too: the node a walk was at goes back with its locked ones
+            for w in walks:
+                w.requeue()
 
     def _drop_short(self, node: Node, rows: list[int], freed: Freed, kept: bool) -> None:
         """Tombstone a node's unlocked kept (or loose) pages in every short-lived pool;
@@ -304,6 +308,10 @@ class Eviction:
             if pages.size:
                 freed[tier][row].append(pages)
 
+    def result_of(self, freed: Freed) -> EvictResult:
+        """What a walk let go (one of `stranded`) as the EvictResult it would have made."""
+        return self._evict_result(freed)
+
     def _evict_result(self, freed: Freed) -> EvictResult:
         out = [{p.name: _joined(f[i]) for i, p in enumerate(self.layout.pools)} for f in freed]
         return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
@@ -338,31 +346,36 @@ class Eviction:
         node in rows `along` (not counted; no room); the pages of `row` that went."""
         heap = (self._kept if kept else self._loose)[tier][row]
         got, skipped = 0, []
-        for node in heap.oldest(_any_node):
-            present = self._kind_cells(node, tier, row, kept)  # none: it leaves the heap
-            if not np.count_nonzero(present):
-                continue
-            if node.full_lock == 0:  # no lock runs through it: no window lock either
-                locked, mask = None, present
-            else:
-                locked = node.window_lock > 0
-                mask = present & ~locked
-            if locked is None or np.count_nonzero(mask):
-                if tier == DEVICE and room is not None:
-                    self._spill(node, row, mask, room)
-                got += self._let_go(node, tier, row, mask, freed)
-                for other in along:
-                    cells = self._free_cells(node, tier, other, kept)
-                    if np.count_nonzero(cells):
-                        self._let_go(node, tier, other, cells, freed)
-                if not node.children and node.full_lock == 0:
-                    self._drop_dead_leaf(node, freed)
-            if locked is not None and node.alive and np.count_nonzero(present & locked):
-                skipped.append(node)
-            if got >= want:
-                break
-        for node in skipped:
-            heap.add(node)
+        try:
+            for node in heap.oldest(_any_node):
+                skipped.append(node)  # back in the heap if a fault cuts its turn short
+                present = self._kind_cells(node, tier, row, kept)  # none: it leaves the heap
+                if not np.count_nonzero(present):
+                    skipped.pop()
+                    continue
+                if node.full_lock == 0:  # no lock runs through it: no window lock either
+                    locked, mask = None, present
+                else:
+                    locked = node.window_lock > 0
+                    mask = present & ~locked
+                if locked is None or np.count_nonzero(mask):
+                    if tier == DEVICE and room is not None:
+                        self._spill(node, row, mask, room)
+                    got += self._let_go(node, tier, row, mask, freed)
+                    for other in along:
+                        cells = self._free_cells(node, tier, other, kept)
+                        if np.count_nonzero(cells):
+                            self._let_go(node, tier, other, cells, freed)
+                    if not node.children and node.full_lock == 0:
+                        self._drop_dead_leaf(node, freed)
+                if not (locked is not None and node.alive
+                        and np.count_nonzero(present & locked)):
+                    skipped.pop()  # it stays out: none of its pages of this kind is locked
+                if got >= want:
+                    break
+        finally:  # the locked ones (and, after a fault, the one it was at) go back
+            for node in skipped:
+                heap.add(node)
         return got
 
     def _evict_leaves(self, tier: int, row: int, want: int,
@@ -372,26 +385,30 @@ class Eviction:
         wanted = ((lambda n: not n.children) if self.tiers == 1 else
                   (lambda n: self._resident(n, tier) and
                    not any(self._resident(c, tier) for c in n.children.values())))
-        for node in heap.oldest(wanted):
-            if node.full_lock > 0:
-                skipped.append(node)
-                continue
-            got += int(np.count_nonzero(node.slot(tier)[row] >= 0))
-            if tier == DEVICE and room is not None:
-                self._spill(node, None, node.pages >= 0, room)
-            if self.tiers == 1:
-                self._remove_leaf(node, freed)
-            elif not node.children and not self._resident(node, self.tiers - 1 - tier):
-                parent = node.parent  # the other tier does not hold it either: it goes
-                self._remove_leaf(node, freed)
-                self._drop_dead_leaf(parent, freed)  # type: ignore[arg-type]
-            else:  # it stays for the other tier (or for children only the other tier holds)
-                self._drop_tier(node, tier, freed)
-                self._drop_dead_leaf(node, freed)
-            if got >= want:
-                break
-        for node in skipped:
-            heap.add(node)
+        try:
+            for node in heap.oldest(wanted):
+                skipped.append(node)  # back in the heap if a fault cuts its turn short
+                if node.full_lock > 0:
+                    continue
+                got += int(np.count_nonzero(node.slot(tier)[row] >= 0))
+                if tier == DEVICE and room is not None:
+                    self._spill(node, None, node.pages >= 0, room)
+                if self.tiers == 1:
+                    self._remove_leaf(node, freed)
+                elif not node.children and not self._resident(node, self.tiers - 1 - tier):
+                    parent = node.parent  # the other tier does not hold it either: it goes
+                    self._remove_leaf(node, freed)
+                    self._drop_dead_leaf(parent, freed)  # type: ignore[arg-type]
+                else:  # it stays for the other tier (or for children only it holds)
+                    self._drop_tier(node, tier, freed)
+                    self._drop_dead_leaf(node, freed)
+                skipped.pop()  # done with it
+                if got >= want:
+                    break
+        finally:  # the locked ones (and, after a fault, the one it was at) go back
+            for node in skipped:
+                if node.alive:
+                    heap.add(node)
 
     def _spill(self, node: Node, row: int | None, mask: np.ndarray, room: SpillRoom) -> None:
         """Write-back: device pages `mask` (one row or [pools, n]) the host lacks take
@@ -405,11 +422,12 @@ class Eviction:
         want &= host < 0
         if not np.count_nonzero(want):
             return
+        counts = self._counts(want, node)  # read first: nothing after the table can fault
         got = room.take(node, want)
         if got is None:
             return
         host[want] = got[want]
-        self._count(want, +1, HOST, node)
+        self._apply(counts, +1, HOST)
         self._enqueue(node)
 
     def _drop_tier(self, node: Node, tier: int, freed: Freed) -> None:
@@ -482,18 +500,27 @@ class Eviction:
                node: Node | None = None) -> None:
         """Adjust the per-pool page counts by the set cells of `mask` [pools, n] of `node`
         (None: a node no lock holds), pinned counts included."""
-        held = self._held[tier]
-        for row in range(self.n_pools):
-            held[row] += step * int(np.count_nonzero(mask[row]))
+        self._apply(self._counts(mask, node), step, tier)
+
+    def _counts(self, mask: np.ndarray, node: Node | None) -> tuple[list[int], list[int]]:
+        """The set cells of `mask` per row, held and pinned (see `_count`); reads only."""
+        held = [int(k) for k in np.count_nonzero(mask, axis=1)]
+        pinned = [0] * self.n_pools
         if node is None or node.full_lock == 0:
-            return
-        pinned = self._pinned[tier]
+            return held, pinned
         for row in self.full_pin_rows:
-            pinned[row] += step * int(np.count_nonzero(mask[row]))
+            pinned[row] = held[row]
         if self.window_pin_rows:
             locked = node.window_lock > 0
             for row in self.window_pin_rows:
-                pinned[row] += step * int(np.count_nonzero(mask[row] & locked))
+                pinned[row] = int(np.count_nonzero(mask[row] & locked))
+        return held, pinned
+
+    def _apply(self, counts: tuple[list[int], list[int]], step: int, tier: int) -> None:
+        held, pinned = self._held[tier], self._pinned[tier]
+        for row, (k, p) in enumerate(zip(*counts, strict=True)):
+            held[row] += step * k
+            pinned[row] += step * p
 
     def _locked_rest(self, node: Node, tier: int, row: int, kept: bool) -> bool:
         """After its free cells of a kind went (`_free_cells`): whether the node is alive and
@@ -564,7 +591,6 @@ class _Walk:
             self.heap = (tree._kept if kept else tree._loose)[DEVICE][row]
             self.it = self.heap.oldest(lambda n: tree._has(n, DEVICE, row, kept))
         self.node: Node | None = None
-        self.advance()
 
     def requeue(self) -> None:
         """The walk is over: its locked nodes and its next one go back to its heap."""
@@ -574,12 +600,12 @@ class _Walk:
 
     def advance(self) -> None:
         for node in self.it:
+            self.node = node  # `requeue` puts it back should what follows fault
             # A row's walk only meets nodes with cells of its kind (its `wanted`): with no
             # lock through the node (so no window lock) they are all free.
             locked = node.full_lock > 0 and (self.row is None or not np.count_nonzero(
                 self.tree._free_cells(node, DEVICE, self.row, self.kept)))
             if not locked:
-                self.node = node
                 return
             self.skipped.append(node)
         self.node = None

@@ -23,6 +23,8 @@ class HostPages(Protocol):
 
     def alloc(self, n: int) -> np.ndarray: ...
 
+    def free(self, pages: np.ndarray) -> None: ...
+
 
 class SpillRoom:
     """Free host pages (per pool, in the layout's row order) that eviction may take as it
@@ -45,10 +47,17 @@ class SpillRoom:
             self.skipped += sum(counts)
             return None
         ids = np.full(want.shape, -1, PAGE)
-        for row, k in enumerate(counts):
-            if k:
-                ids[row, want[row]] = self._pools[row].alloc(k)
-        self.taken.append((node, want.copy(), np.where(want, node.pages, -1), ids))
+        got: list[tuple[int, np.ndarray]] = []
+        try:
+            for row, k in enumerate(counts):
+                if k:
+                    got.append((row, self._pools[row].alloc(k)))
+                    ids[row, want[row]] = got[-1][1]
+            self.taken.append((node, want.copy(), np.where(want, node.pages, -1), ids))
+        except BaseException:  # a fault in one pool: the pages of those before go back
+            for row, pages in got:
+                self._pools[row].free(pages)
+            raise
         return ids
 
     def copies(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
