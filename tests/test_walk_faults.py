@@ -95,3 +95,56 @@ def test_a_fault_while_stranded_pages_are_queued_leaks_them(monkeypatch):
         cache.alloc({"kv": 0})
     monkeypatch.undo()
     cache.check_integrity(held={n: np.empty(0, np.int32) for n in cache.layout.pool_names})
+
+
+@pytest.mark.parametrize("mode, point", [
+    (mode, point) for mode in ("fixed", "arena")
+    for point in ("add", "_enqueue", "_count", "note", "_keep_mask", "_touch")
+    if mode == "arena" or point != "note"])  # the page owners map is kept over an arena
+@pytest.mark.parametrize("nth", [1, 3])
+def test_a_fault_halfway_through_a_hand_over_leaves_one_owner_per_page(mode, point, nth,
+                                                                       monkeypatch):
+    """An insert that raises after adopting some of a finishing request's pages: the lease
+    then freed them while the tree held them ('a physical page is shadowed twice': the
+    next owner's bytes would be served as the cached prefix), and counts, queues or the
+    page owners map were left half made. The manager now keeps adopted pages out of what
+    the lease frees and has the tree make its derived state again (`repair`)."""
+    from shadowradix.pool.arena import Arena, plan_frames
+    from shadowradix.tiers.manager import CacheManager
+    from shadowradix.tree.lru import LRUHeap
+    from shadowradix.tree.radix import ShadowRadix
+    from shadowradix.tree.relocate import PageOwners
+
+    owner = {"add": LRUHeap, "_enqueue": Eviction, "_count": Eviction, "note": PageOwners,
+             "_touch": ShadowRadix, "_keep_mask": ShadowRadix}[point]
+    layout = tiny_layout(4)
+    cache = (PrefixCache(layout, 16) if mode == "fixed" else
+             PrefixCache(layout, {}, arena=Arena(layout, 40 * plan_frames(layout).frame_bytes)))
+    manager = CacheManager(cache)
+    real = getattr(owner, point)
+    calls, faults = [0], 0
+
+    def in_hand_over(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise MemoryError(f"injected at {point} call {nth} of a hand-over")
+        return real(*args, **kwargs)
+
+    for i in range(8):
+        # a shared first 2 pages, then each its own: the second insert splits the first
+        tokens = np.concatenate([np.arange(8), np.arange(100 + 20 * i, 109 + 20 * i)]
+                                ).astype(np.int32)
+        lease = manager.admit(tokens, 17)
+        assert lease is not None and manager.grow(lease, 17)
+        monkeypatch.setattr(owner, point, in_hand_over)
+        try:
+            manager.finish(lease, tokens, 17)
+        except MemoryError:
+            faults += 1
+            manager.release_orphans(set())
+        monkeypatch.undo()
+        manager.check_integrity()
+    assert faults == 1
+    cache.flush()
+    manager.check_integrity()
+    assert all(p.used_pages == 0 for p in cache.pools.values())

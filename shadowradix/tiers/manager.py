@@ -398,7 +398,12 @@ class CacheManager:
                    start: int, full: int, finished: bool) -> None:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
-        result = self.tree.insert(tokens, pages, start, finished=finished, prompt=lease.prompt)
+        try:
+            result = self.tree.insert(tokens, pages, start, finished=finished,
+                                      prompt=lease.prompt)
+        except BaseException:
+            self._reclaim(lease, tokens, pages, start)
+            raise
         lease.tail = None if finished else result.node  # finished: it ends at a checkpoint
         given = pages >= 0
         # Pages it did not adopt (it holds its own copy, or an eager policy dropped ours)
@@ -424,6 +429,19 @@ class CacheManager:
             cache.prune(result.tail)
         if self.host is not None:
             self.host.after_insert(result.node)
+
+    def _reclaim(self, lease: Lease, tokens: np.ndarray, pages: np.ndarray,
+                 start: int) -> None:
+        """An insert that raised may have adopted some of the lease's `pages` (for
+        [start, ...)) already: those are the tree's now, so the lease must not free them,
+        and the tree makes again what it derives from its nodes (`ShadowRadix.repair`)."""
+        table = self.tree.device_table(tokens)
+        stop = min(table.shape[1], start + pages.shape[1])
+        if stop > start:
+            mine = pages[:, :stop - start]
+            adopted = (mine >= 0) & (table[:, start:stop] == mine)
+            lease.own[:, start:stop][adopted] = False
+        self.tree.repair()
 
     def _share_held(self, lease: Lease,
                     found: tuple[int, np.ndarray, np.ndarray] | None = None) -> None:

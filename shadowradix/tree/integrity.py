@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from shadowradix.tree.node import Node
     from shadowradix.tree.radix import ShadowRadix
 
 
@@ -54,18 +55,7 @@ def check_tree(tree: ShadowRadix) -> None:
                             f"node {child.id}: ALL pages partly in tier {tier}")
                 _expect(bool(child.children) or child.full_lock > 0 or not tree._dead(child),
                         f"node {child.id}: an unlocked leaf no tier can resume from")
-            for tier in range(tiers):
-                slot = child.slot(tier)
-                for row in range(n_pools):
-                    present = slot[row][slot[row] >= 0]
-                    per_pool[tier][row].append(present)
-                    held[tier, row] += present.size
-                if child.full_lock:
-                    for row in tree.full_pin_rows:
-                        pinned[tier, row] += int(np.count_nonzero(slot[row] >= 0))
-                for row in tree.window_pin_rows:
-                    pinned[tier, row] += int(np.count_nonzero((slot[row] >= 0)
-                                                              & (child.window_lock > 0)))
+            _add_counts(tree, child, held, pinned, per_pool)
             child_locks += child.full_lock
             stack.append(child)
         if node is not tree.root:
@@ -84,6 +74,39 @@ def check_tree(tree: ShadowRadix) -> None:
             pages = np.concatenate(parts) if parts else np.empty(0, np.int32)
             _expect(np.unique(pages).size == pages.size,
                     f"pool {spec.name!r} tier {tier}: a physical page is shadowed twice")
+
+
+def recount(tree: ShadowRadix) -> tuple[int, np.ndarray, np.ndarray]:
+    """The tree's counts from its nodes alone: nodes (the root too), and per tier and pool
+    the pages its shadows hold and those locks pin. O(tree)."""
+    held = np.zeros((tree.tiers, tree.n_pools), np.int64)
+    pinned = np.zeros((tree.tiers, tree.n_pools), np.int64)
+    per_pool: list[list[list[np.ndarray]]] = [[[] for _ in range(tree.n_pools)]
+                                              for _ in range(tree.tiers)]
+    n_nodes, stack = 1, list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        n_nodes += 1
+        _add_counts(tree, node, held, pinned, per_pool)
+    return n_nodes, held, pinned
+
+
+def _add_counts(tree: ShadowRadix, node: Node, held: np.ndarray, pinned: np.ndarray,
+                per_pool: list[list[list[np.ndarray]]]) -> None:
+    """Add a node's pages (per tier and pool) and those its locks pin."""
+    for tier in range(tree.tiers):
+        slot = node.slot(tier)
+        for row in range(tree.n_pools):
+            present = slot[row][slot[row] >= 0]
+            per_pool[tier][row].append(present)
+            held[tier, row] += present.size
+        if node.full_lock:
+            for row in tree.full_pin_rows:
+                pinned[tier, row] += int(np.count_nonzero(slot[row] >= 0))
+        for row in tree.window_pin_rows:
+            pinned[tier, row] += int(np.count_nonzero((slot[row] >= 0)
+                                                      & (node.window_lock > 0)))
 
 
 def _expect(ok: bool, message: str) -> None:

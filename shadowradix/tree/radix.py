@@ -527,6 +527,32 @@ class ShadowRadix(Eviction):
                     (walk.slot(other) >= 0) & (walk.slot(tier) < 0))
         return out
 
+    def device_table(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The device page ids along `tokens`' path as far as the tree holds it, [pools,
+        pages] (-1: none); changes nothing."""
+        tokens = as_tokens(tokens)
+        parts = [n.pages[:, :eq] for n, eq in self._descend(tokens, tokens.size // self.page_size)]
+        return np.concatenate(parts, axis=1) if parts else np.empty((self.n_pools, 0), PAGE)
+
+    def repair(self) -> None:
+        """After a fault cut a change short (an insert that raised): what the tree derives
+        from its nodes is made again from them. The counts, every node in each eviction
+        queue it may belong to (they drop the wrong ones lazily) and the page owners map.
+        O(tree)."""
+        from shadowradix.tree.integrity import recount
+
+        n_nodes, held, pinned = recount(self)
+        self._n_nodes = n_nodes
+        self._held = held.tolist()
+        self._pinned = pinned.tolist()
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            self._enqueue(node)
+            if self.owners is not None:
+                self.owners.note(node, node.pages)
+
     def path_table(self, node: Node, tier: int) -> np.ndarray:
         """One tier's page ids along root..node, as a [pools, node.end_page] table."""
         parts = [walk.slot(tier) for walk in self.path(node)]
