@@ -148,3 +148,49 @@ def test_a_fault_halfway_through_a_hand_over_leaves_one_owner_per_page(mode, poi
     cache.flush()
     manager.check_integrity()
     assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, MemoryError])
+def test_a_fault_inside_a_split_leaves_no_node_half_linked(monkeypatch, kind):
+    """Node.split linked the head under the parent, then read the tail's key again and
+    copied its arrays: a fault there left the tail (here a running request's locked node)
+    detached, its pages leaked and the next hand-over built a node with tombstones in ALL
+    pools. The split now makes everything first and links with plain assignments. The
+    fault is armed at every key() after the first inside a split (there is none now)."""
+    from shadowradix.tiers.manager import CacheManager
+    from shadowradix.tree.node import Node
+
+    cache = PrefixCache(tiny_layout(4), 40)
+    manager = CacheManager(cache)
+    t1 = np.arange(1000, 1029, dtype=np.int32)
+    t2 = np.concatenate([np.arange(1000, 1012), np.arange(2000, 2017)]).astype(np.int32)
+    a, b = manager.admit(t1, 29), manager.admit(t2, 29)
+    manager.cache_prefix(a, t1, 25)  # A's node [0, 6), locked by A
+    real_key, real_split = Node.key, Node.split
+
+    def split(self, j, ps):  # key() raises after its first call inside a split
+        calls = [0]
+
+        def key(node, size):
+            calls[0] += 1
+            if calls[0] >= 2:
+                raise kind("injected inside Node.split")
+            return real_key(node, size)
+
+        monkeypatch.setattr(Node, "key", key)
+        try:
+            return real_split(self, j, ps)
+        finally:
+            monkeypatch.setattr(Node, "key", real_key)
+
+    monkeypatch.setattr(Node, "split", split)
+    try:
+        manager.finish(b, t2, 29)  # B's insert splits A's node at page 3
+    except kind:
+        manager.release_orphans({a})
+    monkeypatch.undo()
+    manager.check_integrity()
+    manager.finish(a, t1, 29)
+    cache.flush()
+    manager.check_integrity()
+    assert all(p.used_pages == 0 for p in cache.pools.values())

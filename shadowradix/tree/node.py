@@ -84,16 +84,20 @@ class Node:
             host=None if self.host is None else self.host[:, :j].copy(),
             hits=self.hits,
         )
-        self.parent.children[self.key(page_size)] = head
-        self.tokens = self.tokens[j * page_size:]
-        self.pages = self.pages[:, j:].copy()
-        self.keep = self.keep[:, j:].copy()
-        if self.host is not None:
-            self.host = self.host[:, j:].copy()
-        self.window_lock = self.window_lock[j:].copy()
+        # Everything the tail becomes is made first, then linked with plain assignments:
+        # a fault (an array copy that fails) leaves the tree as it was.
+        key = self.key(page_size)
+        tokens = self.tokens[j * page_size:]
+        pages, keep = self.pages[:, j:].copy(), self.keep[:, j:].copy()
+        host = None if self.host is None else self.host[:, j:].copy()
+        window_lock = self.window_lock[j:].copy()
+        tail_key = tokens[:page_size].tobytes()
+        head.children[tail_key] = self
+        self.parent.children[key] = head
+        self.tokens, self.pages, self.keep, self.host = tokens, pages, keep, host
+        self.window_lock = window_lock
         self.start_page += j
         self.parent = head
-        head.children[self.key(page_size)] = self
         return head
 
 
