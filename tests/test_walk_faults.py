@@ -194,3 +194,58 @@ def test_a_fault_inside_a_split_leaves_no_node_half_linked(monkeypatch, kind):
     cache.flush()
     manager.check_integrity()
     assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("point", ["_touch", "_enqueue"])
+def test_a_running_requests_hand_over_that_faults_leaves_no_dead_leaf(monkeypatch, policy,
+                                                                     point):
+    """A running request's hand-over (cache_prefix) that faults after linking its new
+    leaf: the leaf has no resume point (the request keeps its window) and took no lock,
+    so it stayed as 'an unlocked leaf no tier can resume from', even after an abort. The
+    lease now locks it and names it its tail, as a hand-over that completes does."""
+    from shadowradix.tiers.manager import CacheManager
+    from shadowradix.tree.radix import ShadowRadix
+
+    layout = tiny_layout(4)
+    cache = PrefixCache(layout, 32, host_pages=32)
+    manager = CacheManager(cache, HostTier(cache, CountingMover(), policy))
+    tokens = np.arange(40, dtype=np.int32)
+    lease = manager.admit(tokens, 40)
+    assert lease is not None
+    manager.cache_prefix(lease, tokens, 25)
+    owner = ShadowRadix if point == "_touch" else Eviction
+    fail_at(monkeypatch, owner, point, 1 if point == "_touch" else 2, MemoryError)
+    with pytest.raises(MemoryError):
+        manager.cache_prefix(lease, tokens, 29)
+    monkeypatch.undo()
+    manager.check_integrity()
+    manager.abort(lease)  # the request fails alone, as the engine's _fail does
+    manager.check_integrity()
+    cache.flush()
+    cache.flush(1)
+    manager.check_integrity()
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+@pytest.mark.parametrize("second", ["device_path", "_descend"])
+def test_a_second_fault_while_reclaiming_never_gives_a_page_two_owners(monkeypatch, second):
+    """After an insert that adopted pages faulted, reading what the tree holds faulted too:
+    the lease kept its marks and freed pages the tree held. Now, when it cannot tell, all
+    it handed over is the tree's (a leak at worst)."""
+    from shadowradix.tiers.manager import CacheManager
+    from shadowradix.tree.radix import ShadowRadix
+
+    cache = PrefixCache(tiny_layout(4), 32)
+    manager = CacheManager(cache)
+    tokens = np.arange(29, dtype=np.int32)
+    lease = manager.admit(tokens, 29)
+    fail_at(monkeypatch, ShadowRadix, "_touch", 1, MemoryError)  # after it adopted them all
+    fail_at(monkeypatch, ShadowRadix, second, 2 if second == "_descend" else 1, MemoryError)
+    with pytest.raises(MemoryError):
+        manager.finish(lease, tokens, 29)
+    monkeypatch.undo()
+    manager.release_orphans(set())
+    tree_pages = {n: cache.tree.all_pages(n, 0) for n in cache.layout.pool_names}
+    for name, pool in cache.pools.items():  # no page the tree holds was freed
+        assert pool.in_use(tree_pages[name]).all(), name

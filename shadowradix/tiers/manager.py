@@ -402,7 +402,7 @@ class CacheManager:
             result = self.tree.insert(tokens, pages, start, finished=finished,
                                       prompt=lease.prompt)
         except BaseException:
-            self._reclaim(lease, tokens, pages, start)
+            self._reclaim(lease, tokens, pages, start, finished)
             raise
         lease.tail = None if finished else result.node  # finished: it ends at a checkpoint
         given = pages >= 0
@@ -430,18 +430,29 @@ class CacheManager:
         if self.host is not None:
             self.host.after_insert(result.node)
 
-    def _reclaim(self, lease: Lease, tokens: np.ndarray, pages: np.ndarray,
-                 start: int) -> None:
+    def _reclaim(self, lease: Lease, tokens: np.ndarray, pages: np.ndarray, start: int,
+                 finished: bool) -> None:
         """An insert that raised may have adopted some of the lease's `pages` (for
         [start, ...)) already: those are the tree's now, so the lease must not free them,
-        and the tree makes again what it derives from its nodes (`ShadowRadix.repair`)."""
-        table = self.tree.device_table(tokens)
-        stop = min(table.shape[1], start + pages.shape[1])
+        and the tree makes again what it derives from its nodes (`ShadowRadix.repair`). A
+        running request's new leaf has no resume point (the request keeps its window): the
+        lease locks it and names it its tail, as a hand-over does: it stays while the
+        request runs, and `abort` prunes it."""
+        stop = start + pages.shape[1]
+        handed = lease.own[:, start:stop]
+        try:
+            table, node = self.tree.device_path(tokens)
+        except BaseException:  # cannot tell: all it handed is the tree's (a leak at worst,
+            handed[pages >= 0] = False  # never a page with two owners)
+            raise
+        stop = min(table.shape[1], stop)
         if stop > start:
             mine = pages[:, :stop - start]
-            adopted = (mine >= 0) & (table[:, start:stop] == mine)
-            lease.own[:, start:stop][adopted] = False
+            handed[:, :stop - start][(mine >= 0) & (table[:, start:stop] == mine)] = False
         self.tree.repair()
+        if not finished and node is not None and not node.children and not node.full_lock:
+            lease.tail = node  # as after a hand-over: locked while it runs, pruned after
+            lease.handles.append(self.tree.lock(node))
 
     def _share_held(self, lease: Lease,
                     found: tuple[int, np.ndarray, np.ndarray] | None = None) -> None:
