@@ -49,7 +49,6 @@ def _salvaging(walk: F) -> F:
     return run  # type: ignore[return-value]
 
 
-
 class Eviction:
     # Set by ShadowRadix.__init__ before _init_eviction.
     layout: KVLayout
