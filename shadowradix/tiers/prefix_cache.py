@@ -188,8 +188,12 @@ class PrefixCache:
     def can_alloc(self, need: Mapping[str, int], tier: int = DEVICE) -> bool:
         """Whether `alloc(need, tier)` would succeed: free plus evictable pages cover every
         pool. Changes nothing."""
+        self._check_need(need, self.tier_pools(tier))
+        return self._can_alloc(need, tier)
+
+    def _can_alloc(self, need: Mapping[str, int], tier: int) -> bool:
+        """`can_alloc` for a `need` already checked."""
         pools, tree = self.tier_pools(tier), self.tree
-        self._check_need(need, pools)
         shared = self._arena_pools if tier == DEVICE else {}  # frames any pool may free
         for name, n in need.items():
             if n > 0 and name not in shared and pools[name].free_pages + tree.evictable(
@@ -410,7 +414,7 @@ class PrefixCache:
     def _alloc(self, need: Mapping[str, int], tier: int,
                room: SpillRoom | None) -> dict[str, np.ndarray] | None:
         self._release_pending()
-        if not self.can_alloc(need, tier):
+        if not self._can_alloc(need, tier):
             return None
         pools = self.tier_pools(tier)
         if self.arena is not None and tier == DEVICE and not self._make_frames(need, room):

@@ -81,25 +81,25 @@ def recount(tree: ShadowRadix) -> tuple[int, np.ndarray, np.ndarray]:
     the pages its shadows hold and those locks pin. O(tree)."""
     held = np.zeros((tree.tiers, tree.n_pools), np.int64)
     pinned = np.zeros((tree.tiers, tree.n_pools), np.int64)
-    per_pool: list[list[list[np.ndarray]]] = [[[] for _ in range(tree.n_pools)]
-                                              for _ in range(tree.tiers)]
     n_nodes, stack = 1, list(tree.root.children.values())
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
         n_nodes += 1
-        _add_counts(tree, node, held, pinned, per_pool)
+        _add_counts(tree, node, held, pinned)
     return n_nodes, held, pinned
 
 
 def _add_counts(tree: ShadowRadix, node: Node, held: np.ndarray, pinned: np.ndarray,
-                per_pool: list[list[list[np.ndarray]]]) -> None:
-    """Add a node's pages (per tier and pool) and those its locks pin."""
+                per_pool: list[list[list[np.ndarray]]] | None = None) -> None:
+    """Add a node's pages (per tier and pool) and those its locks pin; with `per_pool`,
+    collect its page ids there too."""
     for tier in range(tree.tiers):
         slot = node.slot(tier)
         for row in range(tree.n_pools):
             present = slot[row][slot[row] >= 0]
-            per_pool[tier][row].append(present)
+            if per_pool is not None:
+                per_pool[tier][row].append(present)
             held[tier, row] += present.size
         if node.full_lock:
             for row in tree.full_pin_rows:
