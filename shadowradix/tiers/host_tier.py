@@ -153,10 +153,10 @@ class HostTier:
             return 0
         try:
             ids = self._copy_out(self.tree.path_table(node, DEVICE), mask, got)
-        except BaseException:
-            self.cache.free(got, HOST)  # no copy was submitted: the pages go back
+            self.tree.fill(node, ids, HOST)  # a fault: it changes nothing
+        except BaseException:  # the pages go back (a copy in flight writes them before
+            self.cache.free(got, HOST)  # any later one: copies run in order)
             raise
-        self.tree.fill(node, ids, HOST)
         self.counts["backed_up"] += sum(need.values())
         return sum(need.values())
 
@@ -177,6 +177,8 @@ class HostTier:
     def _submit(self, copies: list[Copy]) -> int:
         ticket = self.mover.submit(copies)
         self._writes[ticket] = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
+        if self._unforgotten:
+            self._spread(copies)
         for name, tier, src, dst in copies:
             busy, cells = self._busy(name, src if tier == DEVICE else dst)
             busy[cells] = ticket
@@ -269,6 +271,24 @@ class HostTier:
         self._note_dropped(result.freed)
         self.cache.release(result)
 
+    def _spread(self, copies: list[Copy]) -> None:
+        """A copy that reads a page a failed copy should have written (its forgetting
+        faulted: the tree still names it until the next `recover`) writes no valid bytes
+        either: its destinations are forgotten with it."""
+        bad: dict[tuple[str, int], list[np.ndarray]] = {}
+        for written in self._unforgotten:
+            for name, tier, pages in written:
+                bad.setdefault((name, tier), []).append(np.asarray(pages).ravel())
+        spread: Written = []
+        for name, tier, src, dst in copies:
+            lost = bad.get((name, tier))
+            if lost:
+                hit = np.isin(np.asarray(src), np.concatenate(lost))
+                if np.count_nonzero(hit):
+                    spread.append((name, 1 - tier, np.asarray(dst)[hit]))
+        if spread:
+            self._unforgotten.append(spread)
+
     def _note_dropped(self, freed: dict[str, np.ndarray]) -> None:
         """Device pages that left the tree for a failed copy, for `recover` to report."""
         for name, pages in freed.items():
@@ -315,11 +335,14 @@ class HostTier:
         if not cache.can_alloc(need):
             return None
         # Leaf eviction frees every pool of a node at once: room for the largest shortfall
-        # in every pool.
+        # in every pool. Over an arena, free frames count in every pool's free pages: what
+        # binds is the frames short, each as many pages as a frame holds of each pool.
         short = max((n - cache.pools[name].free_pages for name, n in need.items()), default=0)
-        if short <= 0:
+        frames = cache.frames_short(need)
+        if short <= 0 and frames <= 0:
             return cache.alloc(need)
-        room = self._reserve(short, evict=True)
+        room = self._reserve({name: max(short, frames * cache.pages_per_frame(name))
+                              for name in self.names}, evict=True)
         try:
             got = cache.alloc(need, DEVICE, room)
         except BaseException:
@@ -338,7 +361,7 @@ class HostTier:
         host pages first (no host eviction). Returns the pages of `pool` that left."""
         if self.write_policy != "write_back":
             return self.cache.evict(pool, num_pages)
-        room = self._reserve(0, evict=False)
+        room = self._reserve({}, evict=False)
         try:
             return self.cache.evict(pool, num_pages, DEVICE, room)
         finally:
@@ -349,13 +372,13 @@ class HostTier:
         for name in self.names:
             self.evict_device(name, self.cache.pools[name].num_pages + 1)
 
-    def _reserve(self, pages: int, evict: bool) -> SpillRoom:
+    def _reserve(self, pages: Mapping[str, int], evict: bool) -> SpillRoom:
         """A room over the host pools for eviction to move device pages into; with
-        `evict`, the host first lets its own LRU pages go until `pages` per pool are free."""
+        `evict`, the host first lets its own LRU pages go until `pages[pool]` are free."""
         host = self.cache.host_pools
         if evict:
             for name in self.names:
-                lack = pages - host[name].free_pages
+                lack = pages.get(name, 0) - host[name].free_pages
                 if lack > 0:
                     self.cache.evict(name, lack, HOST)
         return SpillRoom(self.names, host)
@@ -363,12 +386,13 @@ class HostTier:
     def _settle(self, room: SpillRoom) -> None:
         """Copy what eviction moved into the room's host pages (before anything reuses the
         device pages: their copy tickets make the next owner wait)."""
-        copies = room.copies()
-        if copies:
-            try:
+        try:  # reading the room too: a fault anywhere before the submit leaves no copy
+            copies = room.copies()
+            if copies:
                 self._submit([(name, DEVICE, dev, host) for name, dev, host in copies])
-            except BaseException:  # no copy will come: the host shadows must not claim it
-                self.cache.release(self.tree.unspill(room))
-                raise
+        except BaseException:  # no copy will come: the host shadows must not claim it
+            self.cache.release(self.tree.unspill(room))
+            raise
+        if copies:
             self.counts["spilled"] += sum(host.size for _, _, host in copies)
         self.counts["spill_skipped"] += room.skipped

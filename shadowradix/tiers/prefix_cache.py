@@ -175,7 +175,10 @@ class PrefixCache:
         return self.tree.lock(target.node)
 
     def unlock(self, handle: LockHandle) -> None:
+        """Release a lock; a node it leaves an unlocked leaf with no resume point (a failed
+        copy's pages were forgotten while it was locked) goes, with its pages."""
         self.tree.unlock(handle)
+        self.prune(handle.node)
 
     def prune(self, node: Node) -> None:
         """Drop `node` (and ancestors) while it is an unlocked leaf no tier can resume
@@ -214,6 +217,18 @@ class PrefixCache:
         fb = self.arena.plan.frame_bytes
         return {**{n: p.frames_held * fb for n, p in self._arena_pools.items()},
                 "free": self.arena.free_frames * fb}
+
+    def frames_short(self, need: Mapping[str, int]) -> int:
+        """Arena frames `need` takes beyond its pools' free slots and the free frames (0
+        without an arena, or when it fits now)."""
+        if self.arena is None:
+            return 0
+        return max(self.arena.frames_short(self._arena_pools, need), 0)
+
+    def pages_per_frame(self, pool: str) -> int:
+        """Pages of `pool` an arena frame holds (0 for a pool not in an arena)."""
+        arena_pool = self._arena_pools.get(pool)
+        return 0 if arena_pool is None else arena_pool.per_frame
 
     def arena_frames_of(self, pool: str, ids: np.ndarray) -> np.ndarray | None:
         """The arena frames that device pages `ids` of `pool` lie in (their bytes: pages of
@@ -460,7 +475,11 @@ class PrefixCache:
         self._check_own(pages, tier)
         result = self.tree.insert(tokens, pages, start, finished=finished, tier=tier,
                                   prompt=prompt)
-        self.free(result.to_free, tier)
+        # Queued in one step before any is freed: a fault in one pool's free leaves the
+        # rest for the next release.
+        self._unreleased.extend([(tier, name, ids, False)
+                                 for name, ids in result.to_free.items() if ids.size])
+        self._release_pending()
         if result.tail is not None:
             self.prune(result.tail)
         return result

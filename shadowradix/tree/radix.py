@@ -494,7 +494,8 @@ class ShadowRadix(Eviction):
         table: [pools, node.end_page] page ids, -1 where nothing is handed over.
         Every cell handed over must be empty in that tier (a load-back fills
         device pages the match said were missing; a backup fills host pages
-        `absent` reported). Raises ValueError, changing nothing, otherwise.
+        `absent` reported). Raises ValueError, changing nothing, otherwise; a
+        fault halfway changes nothing either (the tree repairs what it derives).
         """
         table = np.asarray(table, dtype=PAGE)
         if not node.alive or table.shape != (self.n_pools, node.end_page):
@@ -508,12 +509,18 @@ class ShadowRadix(Eviction):
                 if np.count_nonzero(walk.slot(tier)[give] >= 0):
                     raise ValueError(f"fill: node {walk.id} already holds some of these pages")
                 given.append((walk, seg, give))
-        for walk, seg, give in given:
-            walk.slot(tier)[give] = seg[give]
-            if self.owners is not None and tier == DEVICE:
-                self.owners.note(walk, np.where(give, seg, -1))
-            self._count(give, +1, tier, walk)
-            self._enqueue(walk)
+        try:
+            for walk, seg, give in given:
+                walk.slot(tier)[give] = seg[give]
+                if self.owners is not None and tier == DEVICE:
+                    self.owners.note(walk, np.where(give, seg, -1))
+                self._count(give, +1, tier, walk)
+                self._enqueue(walk)
+        except BaseException:  # as it was: the caller still owns every page it gave
+            for walk, _, give in given:
+                walk.slot(tier)[give] = -1
+            self.repair()
+            raise
 
     def absent(self, node: Node, tier: int, min_hits: int = 0) -> np.ndarray:
         """[pools, node.end_page]: pages on the path root..node held by the other tier
