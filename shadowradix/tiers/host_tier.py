@@ -175,10 +175,11 @@ class HostTier:
         return ids
 
     def _submit(self, copies: list[Copy]) -> int:
+        spread = self._spread(copies) if self._unforgotten else []  # reads only
         ticket = self.mover.submit(copies)
         self._writes[ticket] = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
-        if self._unforgotten:
-            self._spread(copies)
+        if spread:
+            self._unforgotten.append(spread)
         for name, tier, src, dst in copies:
             busy, cells = self._busy(name, src if tier == DEVICE else dst)
             busy[cells] = ticket
@@ -271,10 +272,10 @@ class HostTier:
         self._note_dropped(result.freed)
         self.cache.release(result)
 
-    def _spread(self, copies: list[Copy]) -> None:
+    def _spread(self, copies: list[Copy]) -> Written:
         """A copy that reads a page a failed copy should have written (its forgetting
         faulted: the tree still names it until the next `recover`) writes no valid bytes
-        either: its destinations are forgotten with it."""
+        either: its destinations, to be forgotten with it. Reads only."""
         bad: dict[tuple[str, int], list[np.ndarray]] = {}
         for written in self._unforgotten:
             for name, tier, pages in written:
@@ -286,8 +287,7 @@ class HostTier:
                 hit = np.isin(np.asarray(src), np.concatenate(lost))
                 if np.count_nonzero(hit):
                     spread.append((name, 1 - tier, np.asarray(dst)[hit]))
-        if spread:
-            self._unforgotten.append(spread)
+        return spread
 
     def _note_dropped(self, freed: dict[str, np.ndarray]) -> None:
         """Device pages that left the tree for a failed copy, for `recover` to report."""
