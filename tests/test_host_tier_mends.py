@@ -19,6 +19,7 @@ from tiny_model import tiny_model
 
 import shadowradix.tiers.mover as mover_module
 from shadowradix import CacheConfig, Engine, SamplingParams
+from shadowradix.layout.spec import KVLayout, PoolSpec, Retention
 from shadowradix.pool.allocator import PagePool
 from shadowradix.pool.arena import Arena, plan_frames
 from shadowradix.tiers import PrefixCache
@@ -67,27 +68,47 @@ def drain(eng: Engine, prompt: list[int]):
     return result
 
 
+def wide_layout() -> KVLayout:
+    """Window pages 8x the raw ones: a frame holds many pages of the small pools."""
+    return KVLayout("wide", (
+        PoolSpec("kv", 1, Retention.ALL, (2,), "float32", 1),
+        PoolSpec("c2", 2, Retention.ALL, (2,), "float32", 1),
+        PoolSpec("c4", 4, Retention.ALL, (1,), "float32", 1),
+        PoolSpec("swa", 1, Retention.WINDOW, (8,), "float32", 1, window=5),
+        PoolSpec("state", None, Retention.CHECKPOINT, (3,), "float32", 1)), 4)
+
+
+def arena_host(policy: str, frames: int = 24, host_pages: int = 400,
+               layout: KVLayout | None = None):
+    """Metadata-only: an arena of `frames` over a host tier whose copies land when told."""
+    layout = layout or tiny_layout()
+    arena = Arena(layout, frames * plan_frames(layout).frame_bytes)
+    cache = PrefixCache(layout, {}, CheckpointPolicy(every_pages=2), host_pages=host_pages,
+                        arena=arena)
+    mover = ManualMover()
+    host = HostTier(cache, mover, policy)  # type: ignore[arg-type]
+    return cache, host, mover, CacheManager(cache, host)
+
+
+def serve_chat(manager: CacheManager, tokens: np.ndarray) -> None:
+    """One request admitted, computed and finished; its copies land."""
+    lease = manager.admit(tokens, 64)
+    assert lease is not None
+    manager.finish(lease, tokens, tokens.size)
+    manager.host.mover.land()
+    manager.host.recover(manager.host.mover.last)
+    manager.check_integrity()
+
+
 def test_write_back_over_an_arena_spills_what_eviction_drops():
     """Finished conversations fill a small arena under write-back while the host has room
     for all of them: every device page eviction lets go is spilled, none dropped. Before,
     a free frame counted as free pages of every pool, so while one was free the allocation
     made no room and its eviction (for frames) dropped everything: 0 of 330 spilled."""
-    layout = tiny_layout()
-    arena = Arena(layout, 24 * plan_frames(layout).frame_bytes)
-    cache = PrefixCache(layout, {}, CheckpointPolicy(every_pages=2), host_pages=400,
-                        arena=arena)
-    mover = ManualMover()
-    host = HostTier(cache, mover, "write_back")  # type: ignore[arg-type]
-    manager = CacheManager(cache, host)
+    cache, host, _, manager = arena_host("write_back")
     rng = np.random.default_rng(0)
     for _ in range(30):
-        tokens = rng.integers(0, 50, 13).astype(np.int32)
-        lease = manager.admit(tokens, 16)
-        assert lease is not None
-        manager.finish(lease, tokens, tokens.size)
-        mover.land()
-        host.recover(mover.last)
-        manager.check_integrity()
+        serve_chat(manager, rng.integers(0, 50, 13).astype(np.int32))
     evicted = sum(cache.evicted.values())
     assert evicted > 100
     assert host.counts["spilled"] == evicted and host.counts["spill_skipped"] == 0
@@ -115,13 +136,16 @@ def test_a_load_back_of_a_failed_backup_whose_forgetting_faulted_is_restarted(mo
     check(model, turn2, drain(eng, turn2))
 
 
-def test_a_fault_before_a_spill_is_submitted_undoes_the_spill(model, monkeypatch):
-    """Write-back: a fault while the spill's copies are read out of the room (before the
-    submit) left host shadows no copy would fill; turn two loaded them back."""
+@pytest.mark.parametrize("owner, point", [(SpillRoom, "copies"), (HostTier, "_settle")])
+def test_a_fault_before_a_spill_is_submitted_undoes_the_spill(model, monkeypatch, owner,
+                                                              point):
+    """Write-back: a fault while the spill's copies are read out of the room, or as the
+    settling begins (before the submit), left host shadows no copy would fill; turn two
+    loaded them back."""
     eng = arena_engine(model, "write_back")
     prompt = rand_tokens(60, 7)
     first = eng.generate([prompt], P, return_logits=True)[0]
-    calls = fail_at(monkeypatch, SpillRoom, "copies", 1, KeyboardInterrupt)
+    calls = fail_at(monkeypatch, owner, point, 1, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         eng.cache.flush(tiers=("device",))
     monkeypatch.undo()
@@ -195,3 +219,131 @@ def test_a_fault_freeing_what_an_insert_did_not_adopt_leaks_nothing(monkeypatch)
     cache.check_integrity(held={})
     assert sum(p.used_pages for p in cache.pools.values()) == sum(
         cache.tree.pages_held(name) for name in layout.pool_names)
+
+
+def test_write_back_reserves_no_more_host_room_than_the_device_could_spill():
+    """Frames short over an arena: the host made room for a frame's worth of pages of
+    every pool, more than the device held of a dense pool, and let its own go for it. Its
+    checkpoint pages went, and with them chats still on the device (no resume point left
+    in any tier). With room for the whole device on the host, no admission loses a chat."""
+    cache, _, _, manager = arena_host("write_back", frames=14, host_pages=60,
+                                      layout=wide_layout())
+    rng = np.random.default_rng(1)
+    chats: list[np.ndarray] = []
+
+    def cached() -> int:
+        return sum(cache.match(c, record=False).prefix_len >= 12 for c in chats)
+
+    for _ in range(12):
+        tokens = rng.integers(0, 50, 13).astype(np.int32)
+        room = all(cache.host_pools[n].free_pages >= cache.pools[n].used_pages
+                   for n in cache.layout.pool_names)
+        before = cached()
+        serve_chat(manager, tokens)
+        assert not room or cached() >= before, f"lost {before - cached()} cached chats"
+        chats.append(tokens)
+
+
+def test_a_fault_once_a_load_back_is_queued_leaves_its_pages_waiting_for_it(monkeypatch):
+    """HostTier._submit booked the busy tickets (per arena frame) after the mover queued
+    the copy: a fault there left a copy in flight that no frame named, so the next owner of
+    those pages would not wait and the copy would land over its KV. Everything the books
+    need is read before the submit now: a fault there queues nothing."""
+    _, _, mover, manager = arena_host("write_through")
+    tokens = np.random.default_rng(3).integers(0, 50, 17).astype(np.int32)
+    serve_chat(manager, tokens)
+    manager.flush_device()
+    armed = {"on": False}
+    submit, frames_of = HostTier._submit, PrefixCache.arena_frames_of
+
+    def arming(self, copies):
+        armed["on"] = True
+        try:
+            return submit(self, copies)
+        finally:
+            armed["on"] = False
+
+    def failing(self, name, ids):
+        if armed["on"]:
+            raise KeyboardInterrupt("injected while booking a copy")
+        return frames_of(self, name, ids)
+
+    monkeypatch.setattr(HostTier, "_submit", arming)
+    monkeypatch.setattr(PrefixCache, "arena_frames_of", failing)
+    last = mover.last
+    with pytest.raises(KeyboardInterrupt):
+        manager.admit(np.concatenate([tokens, tokens[:4]]), 64)  # loads turn one back
+    monkeypatch.undo()
+    assert mover.last == last, "a copy was queued that no frame waits for"
+    manager.check_integrity()
+
+
+def test_a_fault_in_the_prune_after_an_unlock_is_retried(monkeypatch):
+    """The prune that follows an unlock (mend above) faulted once the handle was released:
+    the retried abort skipped released handles, and the dead leaf stayed for good."""
+    _, host, mover, manager = arena_host("write_through", frames=30, host_pages=60)
+    tokens = np.random.default_rng(1).integers(0, 50, 17).astype(np.int32)
+    lease = manager.admit(tokens, 64)
+    mover.wait(lease.ready)
+    host.recover(lease.ready)
+    failing_backup = mover.last + 1
+    manager.finish(lease, tokens, tokens.size)
+    manager.flush_device()
+    turn2 = np.concatenate([tokens, tokens[:4]])
+    lease2 = manager.admit(turn2, 64)  # loads turn one back, behind its backup
+    mover.wait(mover.last)
+    voided = [(failing_backup, RuntimeError("injected")),  # and the load-back behind it
+              *((t, None) for t in range(failing_backup + 1, mover.last + 1))]
+    monkeypatch.setattr(mover, "failures", lambda t: voided)
+    lost = host.recover(mover.last)  # the backup failed: the locked node's pages go
+    monkeypatch.undo()
+    assert lost
+    real = PrefixCache.prune
+    fired = [0]
+
+    def prune(self, node):
+        if node.alive and not node.children and not node.full_lock and not fired[0]:
+            fired[0] = 1
+            raise KeyboardInterrupt("injected in the prune of an unlock")
+        return real(self, node)
+
+    monkeypatch.setattr(PrefixCache, "prune", prune)
+    with pytest.raises(KeyboardInterrupt):
+        manager.abort(lease2)
+    monkeypatch.undo()
+    assert fired[0]
+    manager.release_orphans(set())  # the engine after a failed step
+    manager.check_integrity()
+
+
+def test_a_fault_in_a_landing_insert_leaks_no_host_page(monkeypatch):
+    """L3 -> L2: the tree's insert of the landed host pages faults (before it adopts any):
+    they were owned by nobody, and stayed in use after every tier was flushed."""
+    cache, host, _, manager = arena_host("write_through", frames=30, host_pages=60)
+    tokens = np.random.default_rng(7).integers(0, 50, 17).astype(np.int32)
+    fail_at(monkeypatch, ShadowRadix, "insert", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        host.land(tokens, 0, 4, write=lambda pages: None)
+    monkeypatch.undo()
+    manager.check_integrity()
+    manager.flush_device()
+    cache.flush(HOST)
+    assert all(p.used_pages == 0 for p in cache.host_pools.values())
+
+
+def test_a_fault_between_an_eviction_and_its_release_leaks_nothing(monkeypatch):
+    """The tree forgot the pages an eviction let go before the cache's release ran: a fault
+    in between lost them. Every walk of a cache's tree is in its queue from its start."""
+    cache, _, _, manager = arena_host("write_through")
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        serve_chat(manager, rng.integers(0, 50, 13).astype(np.int32))
+    calls = fail_at(monkeypatch, PrefixCache, "release", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cache.flush()
+    monkeypatch.undo()
+    assert calls[0] == 1
+    manager.check_integrity()
+    cache.flush()
+    cache.flush(HOST)
+    assert all(p.used_pages == 0 for p in cache.pools.values())

@@ -82,15 +82,16 @@ def test_a_fault_in_the_rooms_second_pool_leaks_the_first_pools_host_pages(monke
 
 
 def test_a_fault_while_stranded_pages_are_queued_leaks_them(monkeypatch):
-    """`_release_pending` pops a stranded result before it queues it: a fault (an
-    interrupt) in between loses it."""
+    """`_release_pending` popped a stranded result before it queued it: a fault (an
+    interrupt) in between lost it. The walk's pages now become the cache's entries in one
+    step, in place (`_entries`): a fault while they are made changes nothing."""
     cache = _cache()
     fail_at(monkeypatch, Eviction, "_remove_leaf", 2, MemoryError)
     with pytest.raises(MemoryError):
         cache.flush()
     monkeypatch.undo()
     assert cache.tree.stranded, "the walk stranded nothing: the repro needs a salvage"
-    fail_at(monkeypatch, PrefixCache, "_queue", 1, KeyboardInterrupt)
+    fail_at(monkeypatch, PrefixCache, "_entries", 1, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         cache.alloc({"kv": 0})
     monkeypatch.undo()
@@ -228,7 +229,7 @@ def test_a_running_requests_hand_over_that_faults_leaves_no_dead_leaf(monkeypatc
     assert all(p.used_pages == 0 for p in cache.pools.values())
 
 
-@pytest.mark.parametrize("second", ["device_path", "_descend"])
+@pytest.mark.parametrize("second", ["held_path", "_descend"])
 def test_a_second_fault_while_reclaiming_never_gives_a_page_two_owners(monkeypatch, second):
     """After an insert that adopted pages faulted, reading what the tree holds faulted too:
     the lease kept its marks and freed pages the tree held. Now, when it cannot tell, all

@@ -175,14 +175,19 @@ class HostTier:
         return ids
 
     def _submit(self, copies: list[Copy]) -> int:
-        spread = self._spread(copies) if self._unforgotten else []  # reads only
+        # Everything its books need is read first: once the copy is queued, only plain
+        # writes stand between it and the tickets that make a page's next owner wait.
+        spread = self._spread(copies) if self._unforgotten else []
+        writes = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
+        busy = [self._busy(name, src if tier == DEVICE else dst)
+                for name, tier, src, dst in copies]
         ticket = self.mover.submit(copies)
-        self._writes[ticket] = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
+        for table, cells in busy:
+            table[cells] = ticket
+        self._writes[ticket] = writes
         if spread:
             self._unforgotten.append(spread)
-        for name, tier, src, dst in copies:
-            busy, cells = self._busy(name, src if tier == DEVICE else dst)
-            busy[cells] = ticket
+        for name, tier, src, _ in copies:
             direction = "device->host" if tier == DEVICE else "host->device"
             self.bytes[direction] += self._page_bytes[name] * len(src)
         return ticket
@@ -265,11 +270,12 @@ class HostTier:
         before = len(self.tree.stranded)
         try:
             result = self.tree.forget(merged)
-        except BaseException:  # what it let go already leaves the tree all the same
-            for freed in self.tree.stranded[before:]:
-                self._note_dropped(self.tree.result_of(freed).freed)
+            self._note_dropped(result.freed)
+        except BaseException:  # what it let go already leaves the tree all the same (a
+            for freed in self.tree.stranded[before:]:  # page noted twice is still lost)
+                if isinstance(freed, list):
+                    self._note_dropped(self.tree.result_of(freed).freed)
             raise
-        self._note_dropped(result.freed)
         self.cache.release(result)
 
     def _spread(self, copies: list[Copy]) -> Written:
@@ -311,15 +317,19 @@ class HostTier:
             got = cache.alloc({n: stop - start for n in self.names}, HOST)
             if got is None:
                 return False
-            try:
-                if write is not None:
+            try:  # (a host page freed while a queued write still fills it is safe:
+                if write is not None:  # whatever writes it next is queued after)
                     ticket = self.mover.run(lambda: write(got))
                     self._writes[ticket] = [(n, HOST, got[n]) for n in self.names]
+                table = np.stack([got[n] for n in self.names])
             except BaseException:
                 cache.free(got, HOST)
                 raise
-            cache.insert(tokens[:stop * ps], np.stack([got[n] for n in self.names]), start,
-                         tier=HOST)
+            try:
+                cache.insert(tokens[:stop * ps], table, start, tier=HOST)
+            except BaseException:  # what the tree did not adopt goes back
+                cache.give_up(tokens[:stop * ps], table, start, HOST)
+                raise
             return True
         finally:
             cache.unlock(handle)
@@ -336,21 +346,21 @@ class HostTier:
             return None
         # Leaf eviction frees every pool of a node at once: room for the largest shortfall
         # in every pool. Over an arena, free frames count in every pool's free pages: what
-        # binds is the frames short, each as many pages as a frame holds of each pool.
+        # binds is the frames short, each as many pages as a frame holds of each pool (no
+        # more than the device could spill: the host keeps what it need not let go).
         short = max((n - cache.pools[name].free_pages for name, n in need.items()), default=0)
         frames = cache.frames_short(need)
         if short <= 0 and frames <= 0:
             return cache.alloc(need)
-        room = self._reserve({name: max(short, frames * cache.pages_per_frame(name))
+        room = self._reserve({name: max(short, min(frames * cache.pages_per_frame(name),
+                                                   self.tree.evictable(name)))
                               for name in self.names}, evict=True)
+        got = None
         try:
             got = cache.alloc(need, DEVICE, room)
-        except BaseException:
-            self._settle(room)
-            raise
-        try:
             self._settle(room)
         except BaseException:
+            self._undo_spill(room)
             if got is not None:  # nobody will own them
                 cache.free(got)
             raise
@@ -363,9 +373,12 @@ class HostTier:
             return self.cache.evict(pool, num_pages)
         room = self._reserve({}, evict=False)
         try:
-            return self.cache.evict(pool, num_pages, DEVICE, room)
-        finally:
+            left = self.cache.evict(pool, num_pages, DEVICE, room)
             self._settle(room)
+        except BaseException:
+            self._undo_spill(room)
+            raise
+        return left
 
     def flush_device(self) -> None:
         """Drop every unlocked device page (write-back: into free host pages first)."""
@@ -385,14 +398,17 @@ class HostTier:
 
     def _settle(self, room: SpillRoom) -> None:
         """Copy what eviction moved into the room's host pages (before anything reuses the
-        device pages: their copy tickets make the next owner wait)."""
-        try:  # reading the room too: a fault anywhere before the submit leaves no copy
-            copies = room.copies()
-            if copies:
-                self._submit([(name, DEVICE, dev, host) for name, dev, host in copies])
-        except BaseException:  # no copy will come: the host shadows must not claim it
-            self.cache.release(self.tree.unspill(room))
-            raise
+        device pages: their copy tickets make the next owner wait). A fault before the copy
+        is queued leaves `room.taken` for the caller's `_undo_spill`."""
+        copies = room.copies()
         if copies:
+            self._submit([(name, DEVICE, dev, host) for name, dev, host in copies])
+            room.taken.clear()  # in flight: nothing left to undo
             self.counts["spilled"] += sum(host.size for _, _, host in copies)
         self.counts["spill_skipped"] += room.skipped
+
+    def _undo_spill(self, room: SpillRoom) -> None:
+        """After a fault: no copy will come for what the room still holds (an eviction
+        that raised, or a `_settle` cut short), so the host shadows must not claim it."""
+        if room.taken:
+            self.cache.release(self.tree.unspill(room))

@@ -441,7 +441,7 @@ class CacheManager:
         stop = start + pages.shape[1]
         handed = lease.own[:, start:stop]
         try:
-            table, node = self.tree.device_path(tokens)
+            table, node = self.tree.held_path(tokens)
         except BaseException:  # cannot tell: all it handed is the tree's (a leak at worst,
             handed[pages >= 0] = False  # never a page with two owners)
             raise
@@ -570,6 +570,8 @@ class CacheManager:
             handle = lease.handles[-1]
             if not handle.released:
                 self.cache.unlock(handle)
+            else:  # released, but a fault cut short the prune that follows (idempotent)
+                self.cache.prune(handle.node)
             lease.handles.pop()
         if lease.tail is not None:  # a prefix inserted without its window, lock never taken
             tail, lease.tail = lease.tail, None

@@ -130,8 +130,12 @@ class PrefixCache:
         # sets it): compaction leaves them be. None with a host tier: no compaction.
         self.frames_in_flight: Callable[[], list[int]] | None = None
         self.evict_seconds = 0.0  # time spent in eviction, for benchmarks
-        # Pages the tree let go (evicted: True) or moved away from, to free: see `release`
-        self._unreleased: list[tuple[int, str, np.ndarray, bool]] = []
+        # Pages to free, in order: (tier, pool, pages, evicted: let go by the tree) or a
+        # tree walk's Freed ([tier][pool row] -> arrays). The tree's `stranded` itself:
+        # every walk is in it from its start (`sink_walks`), so no fault between a walk
+        # and its release loses a page. See `release`.
+        self.tree.sink_walks = True
+        self._unreleased: list[Any] = self.tree.stranded
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
         self.allocs = 0
 
@@ -484,6 +488,38 @@ class PrefixCache:
             self.prune(result.tail)
         return result
 
+    def give_up(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray, start: int,
+                tier: int = DEVICE) -> None:
+        """After an `insert` of `pages` (for [start, ...)) that raised: it may have adopted
+        some (a fault halfway), which are the tree's; the caller gives up the rest, freed
+        at the next release. The tree makes again what it derives from its nodes. When
+        even reading the tree faults, all count as the tree's (a leak at worst, never a
+        page with two owners)."""
+        table = np.asarray(pages)
+        if table.ndim != 2 or not table.size:
+            return
+        held, _ = self.tree.held_path(tokens, tier)
+        mine = table.astype(PAGE_DTYPE)
+        stop = min(held.shape[1], start + mine.shape[1])
+        kept = np.zeros(mine.shape, dtype=bool)
+        if stop > start:
+            kept[:, :stop - start] = held[:, start:stop] == mine[:, :stop - start]
+        lost = (mine >= 0) & ~kept
+        pools = self.tier_pools(tier)
+        for row, name in enumerate(self.layout.pool_names):  # nor those the insert queued
+            if not lost[row].any():                        # or freed (a fault after the
+                continue                                   # tree's insert itself)
+            ids = mine[row][lost[row]]
+            gone = ~pools[name].in_use(ids)
+            pending = self._pending_pages(tier, name)
+            if pending:
+                gone |= np.isin(ids, np.concatenate(pending))
+            lost[row][lost[row]] = ~gone
+        self._unreleased.extend([(tier, name, mine[row][lost[row]], False)
+                                 for row, name in enumerate(self.layout.pool_names)
+                                 if lost[row].any()])
+        self.tree.repair()
+
     def _check_own(self, pages: np.ndarray, tier: int) -> None:
         """The ids >= 0 of a [pools, n] table must be pages of their pools in use, each
         once (the tree checks the shape: anything else is left to it)."""
@@ -519,8 +555,10 @@ class PrefixCache:
     def release(self, result: EvictResult) -> None:
         """Free the pages an eviction (or prune / unspill) let go, in both tiers. The tree
         has forgotten them: if a free raises, they and the rest wait in `_unreleased` (still
-        in use, owned by the cache) and go back at the next release or allocation."""
-        self._queue(result)
+        in use, owned by the cache) and go back at the next release or allocation. A
+        result of this tree's walks is there already (`queued`)."""
+        if not result.queued:
+            self._queue(result)
         self._release_pending()
 
     def _queue(self, result: EvictResult) -> None:
@@ -530,16 +568,33 @@ class PrefixCache:
                     self._unreleased.append((tier, name, pages, True))
 
     def _release_pending(self) -> None:
-        stranded = self.tree.stranded  # let go by a tree walk that raised: freed here
-        while stranded:
-            self._queue(self.tree.result_of(stranded[0]))  # queued before it leaves
-            stranded.pop(0)
-        while self._unreleased:
-            tier, name, pages, evicted = self._unreleased[0]
-            self.tier_pools(tier)[name].free(pages)  # atomic: on a fault it stays queued
-            self._unreleased.pop(0)
+        pending = self._unreleased
+        while pending:
+            head = pending[0]
+            if isinstance(head, list):  # a walk's Freed: one entry per pool, in one step
+                pending[0:1] = self._entries(head)
+                continue
+            pending.pop(0)  # before the free: a fault between leaks, never frees twice
+            tier, name, pages, evicted = head
+            try:
+                self.tier_pools(tier)[name].free(pages)  # atomic
+            except BaseException:  # nothing freed: it waits for the next release
+                pending.insert(0, head)
+                raise
             if evicted:
                 (self.evicted if tier == DEVICE else self.evicted_host)[name] += pages.size
+
+    def _entries(self, freed: list[list[list[np.ndarray]]]) -> list[Any]:
+        """A walk's Freed as `_unreleased` entries (tier, pool, pages, evicted)."""
+        names = self.layout.pool_names
+        out = []
+        for tier, rows in enumerate(freed):
+            for row, arrays in enumerate(rows):
+                if arrays:
+                    pages = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+                    if pages.size:
+                        out.append((tier, names[row], pages, True))
+        return out
 
     def flush(self, tier: int = DEVICE, room: SpillRoom | None = None) -> None:
         """Drop every unlocked page the tree holds in `tier` (device pages into `room`)."""
@@ -560,11 +615,7 @@ class PrefixCache:
                 if tier != DEVICE or name not in self._arena_pools:  # the arena checked those
                     pool.check_integrity()
                 tree_pages = self.tree.all_pages(name, tier)
-                row = self.layout.index(name)
-                stranded = [p for freed in self.tree.stranded if tier < len(freed)
-                            for p in freed[tier][row]]  # the next release frees them
-                owned = [tree_pages, *(p for t, n, p, _ in self._unreleased
-                                       if t == tier and n == name), *stranded]
+                owned = [tree_pages, *self._pending_pages(tier, name)]
                 if held is not None and name in held and tier == DEVICE:
                     owned.append(np.asarray(held[name], dtype=PAGE_DTYPE))
                 allp = np.concatenate(owned)
@@ -575,6 +626,19 @@ class PrefixCache:
                 if held is not None and allp.size != pool.used_pages:
                     raise AssertionError(f"pool {name!r}{where}: {pool.used_pages} pages in use "
                                          f"but {allp.size} owned (leak)")
+
+    def _pending_pages(self, tier: int, name: str) -> list[np.ndarray]:
+        """The pages of one pool and tier waiting in `_unreleased` (the next release frees
+        them)."""
+        row = self.layout.index(name)
+        out = []
+        for entry in self._unreleased:
+            if isinstance(entry, list):
+                if tier < len(entry):
+                    out.extend(entry[tier][row])
+            elif entry[0] == tier and entry[1] == name:
+                out.append(entry[2])
+        return out
 
     def stats(self) -> dict[str, Any]:
         tree: TreeStats = self.tree.stats()

@@ -33,15 +33,17 @@ def _salvaging(walk: F) -> F:
     """A walk that raises halfway has let some pages go already (the tree forgot them):
     what it had (`_freeing`) is kept in `stranded` for the cache to free, so a fault never
     leaks a page. Each walk forgets a page before it records it, so a page recorded is
-    one no node holds."""
+    one no node holds. With `sink_walks` (the owner frees everything from `stranded`:
+    PrefixCache) every walk is in `stranded` from its start, raised or not, so a fault
+    between the walk's return and the owner's release leaks nothing either."""
 
     @functools.wraps(walk)
     def run(self: Eviction, *args: Any, **kwargs: Any) -> Any:
         try:
             return walk(self, *args, **kwargs)
         except BaseException:
-            if self._freeing is not None:  # as it is: joining it could fault too
-                self.stranded.append(self._freeing)
+            if self._freeing is not None and not self.sink_walks:  # as it is: joining
+                self.stranded.append(self._freeing)  # it could fault too
             raise
         finally:
             self._freeing = None
@@ -76,8 +78,17 @@ class Eviction:
                        for t in range(self.tiers)]
         self._kept = [{row: LRUHeap(t * bits + 2 + 2 * row) for row in self.short_lived_rows}
                       for t in range(self.tiers)]
-        self.stranded: list[Freed] = []  # let go by walks that raised (`_salvaging`)
+        # Let go by walks that raised (`_salvaging`); with `sink_walks`, by every walk,
+        # and the owner's own queue besides (PrefixCache shares it).
+        self.stranded: list[Any] = []
+        self.sink_walks = False
         self._freeing: Freed | None = None  # what the running walk let go so far
+
+    def _begin(self, freed: Freed) -> None:
+        """A walk starts letting pages go into `freed` (see `_salvaging`)."""
+        self._freeing = freed
+        if self.sink_walks:
+            self.stranded.append(freed)
 
     @_salvaging
     def evict(self, pool: str, num_pages: int, tier: int = DEVICE,
@@ -101,7 +112,7 @@ class Eviction:
         if not 0 <= tier < self.tiers:
             raise ValueError(f"tier {tier}: this tree has {self.tiers} tier(s)")
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
-        self._freeing = freed
+        self._begin(freed)
         got = 0
         if num_pages > 0:
             if row in self._loose[tier] and self.policy.tombstones:
@@ -130,7 +141,7 @@ class Eviction:
             raise ValueError("a shared byte budget needs a tree without a host tier")
         got = _Tally(page_bytes)
         freed: Freed = [got.rows]
-        self._freeing = freed
+        self._begin(freed)
         if want <= 0:
             return self._evict_result(freed)
         # A row of 0 bytes (a pool outside the budget: in host memory beside an arena)
@@ -247,7 +258,7 @@ class Eviction:
         if not node.alive or node is self.root or node.children or node.full_lock:
             return None
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
-        self._freeing = freed
+        self._begin(freed)
         self._drop_dead_leaf(node, freed)
         return self._evict_result(freed)
 
@@ -257,7 +268,7 @@ class Eviction:
         filled hold no data, so they go, with any node left resident nowhere. The caller
         frees the pages in the result (the host pages of the room included)."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
-        self._freeing = freed
+        self._begin(freed)
         for node, cells, _, _ in room.taken:
             if not node.alive:
                 continue
@@ -274,7 +285,7 @@ class Eviction:
         node's other ALL pages in that tier too. The caller frees the pages in the result
         and stops every reader of the device pages in it."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
-        self._freeing = freed
+        self._begin(freed)
         hit, stack = [], list(self.root.children.values())
         all_rows = list(self.rule.all_rows)
         while stack:
@@ -312,8 +323,16 @@ class Eviction:
         return self._evict_result(freed)
 
     def _evict_result(self, freed: Freed) -> EvictResult:
-        out = [{p.name: _joined(f[i]) for i, p in enumerate(self.layout.pools)} for f in freed]
-        return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {})
+        out = []
+        for rows in freed:
+            joined = {}
+            for i, p in enumerate(self.layout.pools):
+                pages = joined[p.name] = _joined(rows[i])
+                if len(rows[i]) > 1:  # joined once: whoever reads `freed` again
+                    rows[i][:] = [pages]
+            out.append(joined)
+        return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {},
+                           queued=self.sink_walks)
 
     def _free_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
         """The cells of one pool row that eviction may let go: present in `tier`, not held

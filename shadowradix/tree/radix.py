@@ -534,12 +534,13 @@ class ShadowRadix(Eviction):
                     (walk.slot(other) >= 0) & (walk.slot(tier) < 0))
         return out
 
-    def device_path(self, tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, Node | None]:
-        """The device page ids along `tokens`' path as far as the tree holds it, [pools,
+    def held_path(self, tokens: Sequence[int] | np.ndarray,
+                  tier: int = DEVICE) -> tuple[np.ndarray, Node | None]:
+        """One tier's page ids along `tokens`' path as far as the tree holds it, [pools,
         pages] (-1: none), and the deepest node it reaches (None: none); changes nothing."""
         tokens = as_tokens(tokens)
         path = list(self._descend(tokens, tokens.size // self.page_size))
-        parts = [n.pages[:, :eq] for n, eq in path]
+        parts = [n.slot(tier)[:, :eq] for n, eq in path]
         table = np.concatenate(parts, axis=1) if parts else np.empty((self.n_pools, 0), PAGE)
         return table, (path[-1][0] if path else None)
 

@@ -111,11 +111,14 @@ class EvictResult:
     """Per pool, the pages the tree let go. The caller frees exactly these.
 
     freed: device pages. freed_host: host pages (removing a node frees both
-    tiers, whichever one was evicted); empty without a host tier.
+    tiers, whichever one was evicted); empty without a host tier. queued: the
+    walk put them in the tree's `stranded` as it began (`sink_walks`): the
+    owner frees them from there, not from here.
     """
 
     freed: dict[str, np.ndarray]
     freed_host: dict[str, np.ndarray] = field(default_factory=dict)
+    queued: bool = False
 
     def count(self, pool: str) -> int:
         return int(self.freed[pool].size)
