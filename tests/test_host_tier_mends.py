@@ -149,7 +149,7 @@ def test_a_fault_before_a_spill_is_submitted_undoes_the_spill(model, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         eng.cache.flush(tiers=("device",))
     monkeypatch.undo()
-    assert calls[0] == 1
+    assert calls[0] >= 1
     eng.check_integrity()
     eng.cache.flush(tiers=("device",))
     turn2 = prompt + first.output_ids + rand_tokens(20, 8)
@@ -345,5 +345,130 @@ def test_a_fault_between_an_eviction_and_its_release_leaks_nothing(monkeypatch):
     assert calls[0] == 1
     manager.check_integrity()
     cache.flush()
+    cache.flush(HOST)
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+# A third attack, on the mends above and what they touch: a second fault inside the
+# mending itself (undo, sweep, repair), and lock walks cut short.
+
+
+def test_a_fault_undoing_a_spill_leaves_no_host_shadow_without_bytes(monkeypatch):
+    """Write-back: the spill's copy is never queued (a fault) and undoing it faults too,
+    halfway: the nodes not undone kept host shadows no copy would fill, and a next turn
+    loaded them. What the undo did not reach is now forgotten as a failed copy's pages."""
+    cache, host, mover, manager = arena_host("write_back")
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        serve_chat(manager, rng.integers(0, 50, 12).astype(np.int32))
+    fail_at(monkeypatch, HostTier, "_submit", 1, KeyboardInterrupt)
+    fail_at(monkeypatch, Eviction, "_forget_cells", 2, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        manager.flush_device()
+    monkeypatch.undo()
+    host.recover(mover.last)
+    for name in cache.layout.pool_names:
+        assert cache.tree.pages_held(name, HOST) == 0, name  # no copy wrote any
+    manager.check_integrity()
+
+
+def test_an_unlock_a_fault_cut_short_resumes_where_it_stopped(monkeypatch):
+    """A fault in the second node of an unlock's walk left the first unlocked and the
+    handle unreleased; the engine's retry (the abort again) unlocked the first node twice:
+    a negative lock count, and a node another lock holds could have been evicted."""
+    cache, _, _, manager = arena_host("write_through")
+    a = (np.arange(16) % 50).astype(np.int32)
+    serve_chat(manager, a)
+    b = np.concatenate([a[:8], np.arange(60, 72, dtype=np.int32)])
+    serve_chat(manager, b)  # the tree: a[:8] -> {a, b}
+    lease = manager.admit(np.concatenate([b, np.arange(90, 95, dtype=np.int32)]), 16)
+    assert lease is not None and lease.handles[-1].node.parent is not cache.tree.root
+    fail_at(monkeypatch, ShadowRadix, "_pin", 2, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        manager.abort(lease)
+    monkeypatch.undo()
+    manager.release_orphans(set())  # the engine's retry after a failed step
+    assert all(n.full_lock == 0 and not n.window_lock.any() for n in cache.tree.nodes())
+    manager.check_integrity()
+
+
+def test_a_fault_in_a_landings_unlock_does_not_pin_its_prefix_for_good(monkeypatch):
+    """`HostTier.land` unlocks the prefix it attached to in a `finally`; that handle is no
+    request's, so a fault there was retried by nobody and the prefix stayed locked (its
+    pages never evictable). The cache's next operation finishes the unlock."""
+    cache, host, _, manager = arena_host("write_through", frames=30, host_pages=60)
+    tokens = np.random.default_rng(7).integers(0, 50, 17).astype(np.int32)
+    serve_chat(manager, tokens[:8])
+    fail_at(monkeypatch, ShadowRadix, "unlock", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        host.land(tokens, 2, 4, write=lambda pages: None)
+    monkeypatch.undo()
+    manager.flush_device()
+    cache.flush(HOST)
+    assert all(n.full_lock == 0 for n in cache.tree.nodes())
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+    assert all(p.used_pages == 0 for p in cache.host_pools.values())
+
+
+def test_a_fault_halfway_through_forgetting_leaves_no_dead_leaf(monkeypatch):
+    """A failed spill's pages were being forgotten node by node; a fault at the second
+    left the first node resident nowhere, and no later recover, eviction or flush removed
+    it (check_integrity failed for good). The walk's salvage sweeps such leaves now."""
+    cache, host, mover, manager = arena_host("write_back")
+    rng = np.random.default_rng(4)
+    for _ in range(2):
+        serve_chat(manager, rng.integers(0, 50, 12).astype(np.int32))
+    manager.flush_device()  # spills both to the host: their copy fails
+    voided = [(mover.last, RuntimeError("injected"))]
+    monkeypatch.setattr(mover, "failures", lambda t: voided)
+    fail_at(monkeypatch, Eviction, "_forget_cells", 2, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        host.recover(mover.last)
+    monkeypatch.undo()
+    host.recover(mover.last)
+    manager.flush_device()
+    cache.flush(HOST)
+    manager.check_integrity()
+    assert not list(cache.tree.nodes())
+
+
+@pytest.mark.parametrize("point", ["_drop_dead_leaf", "note"])
+def test_a_fault_that_also_cuts_its_mending_short_is_mended_next(monkeypatch, point):
+    """A fault that persists through the mending right after it (the same point fails
+    again): an eviction that emptied a leaf, then faulted dropping it, then again in the
+    sweep after; a split whose page owners map fault also cut its repair short. The tree
+    stayed wrong for good; the cache's next operation mends it now (`needs_sweep`,
+    `needs_repair`)."""
+    from shadowradix.tree.relocate import PageOwners
+
+    cache, _, _, manager = arena_host("write_through")
+    a = np.arange(16, dtype=np.int32)
+    serve_chat(manager, a)
+    if point == "note":
+        monkeypatch.setattr(PageOwners, "note", lambda *args: (_ for _ in ()).throw(
+            KeyboardInterrupt("injected in PageOwners.note")))
+        with pytest.raises(KeyboardInterrupt):  # forks inside a's node: a split
+            cache.match(np.concatenate([a[:8], np.arange(100, 108, dtype=np.int32)]))
+    else:  # a leaf on the device only, its checkpoint let go (as in the engine's default)
+        layout = tiny_layout()
+        cache = PrefixCache(layout, 32, CheckpointPolicy(), host_pages=32)
+        manager = CacheManager(cache)
+        got = cache.alloc({name: 3 for name in layout.pool_names})
+        cache.insert(np.arange(12, dtype=np.int32),
+                     np.stack([got[name] for name in layout.pool_names]))
+        real = ShadowRadix._drop_dead_leaf
+
+        def drop(self, node, freed):
+            if self._dead(node):
+                raise KeyboardInterrupt("injected dropping a dead leaf")
+            return real(self, node, freed)
+
+        monkeypatch.setattr(ShadowRadix, "_drop_dead_leaf", drop)
+        with pytest.raises(KeyboardInterrupt):
+            cache.evict("state", 100)
+    monkeypatch.undo()
+    cache.match(a)  # any operation
+    manager.check_integrity()
+    manager.flush_device()
     cache.flush(HOST)
     assert all(p.used_pages == 0 for p in cache.pools.values())

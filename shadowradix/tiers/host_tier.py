@@ -409,6 +409,14 @@ class HostTier:
 
     def _undo_spill(self, room: SpillRoom) -> None:
         """After a fault: no copy will come for what the room still holds (an eviction
-        that raised, or a `_settle` cut short), so the host shadows must not claim it."""
-        if room.taken:
+        that raised, or a `_settle` cut short), so the host shadows must not claim it. If
+        undoing faults too, its host pages are forgotten as a failed copy's are (the next
+        `recover`; a load of one before then is forgotten with it)."""
+        if not room.taken:
+            return
+        never: Written = [(name, HOST, host) for name, _, host in room.copies()]
+        try:
             self.cache.release(self.tree.unspill(room))
+        except BaseException:
+            self._unforgotten.append(never)
+            raise

@@ -449,7 +449,7 @@ class CacheManager:
         if stop > start:
             mine = pages[:, :stop - start]
             handed[:, :stop - start][(mine >= 0) & (table[:, start:stop] == mine)] = False
-        self.tree.repair()
+        self.tree.repair(after_fault=True)
         if not finished and node is not None and not node.children and not node.full_lock:
             lease.tail = node  # as after a hand-over: locked while it runs, pruned after
             lease.handles.append(self.tree.lock(node))

@@ -136,6 +136,7 @@ class PrefixCache:
         # and its release loses a page. See `release`.
         self.tree.sink_walks = True
         self._unreleased: list[Any] = self.tree.stranded
+        self._unlocking: list[LockHandle] = []  # unlocks under way (see `unlock`)
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
         self.allocs = 0
 
@@ -157,6 +158,7 @@ class PrefixCache:
     def match(self, tokens: Sequence[int] | np.ndarray, *, record: bool = True) -> MatchResult:
         """The tree's match (see ShadowRadix.match_prefix); a node tail its splits left
         with no resume point goes at once."""
+        self._mend()
         m = self.tree.match_prefix(tokens, record=False)
         if m.tail is not None:
             self.prune(m.tail)
@@ -181,7 +183,9 @@ class PrefixCache:
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock; a node it leaves an unlocked leaf with no resume point (a failed
         copy's pages were forgotten while it was locked) goes, with its pages."""
+        self._unlocking.append(handle)  # a fault in the unlock: `_mend` finishes it
         self.tree.unlock(handle)
+        self._unlocking.remove(handle)
         self.prune(handle.node)
 
     def prune(self, node: Node) -> None:
@@ -518,7 +522,7 @@ class PrefixCache:
         self._unreleased.extend([(tier, name, mine[row][lost[row]], False)
                                  for row, name in enumerate(self.layout.pool_names)
                                  if lost[row].any()])
-        self.tree.repair()
+        self.tree.repair(after_fault=True)
 
     def _check_own(self, pages: np.ndarray, tier: int) -> None:
         """The ids >= 0 of a [pools, n] table must be pages of their pools in use, each
@@ -568,6 +572,7 @@ class PrefixCache:
                     self._unreleased.append((tier, name, pages, True))
 
     def _release_pending(self) -> None:
+        self._mend()
         pending = self._unreleased
         while pending:
             head = pending[0]
@@ -583,6 +588,23 @@ class PrefixCache:
                 raise
             if evicted:
                 (self.evicted if tier == DEVICE else self.evicted_host)[name] += pages.size
+
+    def _mend(self) -> None:
+        """Finish what a fault cut short twice (the change, then its mending): the tree's
+        derived state (`repair`), the dead leaves a walk left (`sweep`, its pages queued
+        to be freed); and unlocks a fault cut short (a lock nobody would retry, as a
+        landing's, would pin its pages for good)."""
+        tree = self.tree
+        if tree.needs_repair:
+            tree.repair()
+        if tree.needs_sweep:
+            tree.sweep()  # queued in `_unreleased` as it begins (sink_walks)
+        while self._unlocking:  # unlocks a fault cut short (whoever asked may retry too)
+            handle = self._unlocking[0]
+            if not handle.released:
+                tree.unlock(handle)  # resumes where it stopped
+            self._unlocking.pop(0)
+            self.prune(handle.node)
 
     def _entries(self, freed: list[list[list[np.ndarray]]]) -> list[Any]:
         """A walk's Freed as `_unreleased` entries (tier, pool, pages, evicted)."""
@@ -605,7 +627,10 @@ class PrefixCache:
     # ---------------------------------------------------------- inspection
     def check_integrity(self, held: Mapping[str, np.ndarray] | None = None) -> None:
         """Tree invariants, pool free lists, and that every used page has exactly one
-        owner: the tree, or a request (`held`, per pool). Raises AssertionError."""
+        owner: the tree, or a request (`held`, per pool). Raises AssertionError. What a
+        second fault left for the next operation to mend is mended first, as any
+        operation would (`_mend`)."""
+        self._mend()
         self.tree.check_integrity()
         if self.arena is not None:
             self.arena.check_integrity(self._arena_pools)

@@ -42,8 +42,14 @@ def _salvaging(walk: F) -> F:
         try:
             return walk(self, *args, **kwargs)
         except BaseException:
-            if self._freeing is not None and not self.sink_walks:  # as it is: joining
-                self.stranded.append(self._freeing)  # it could fault too
+            freed = self._freeing
+            if freed is not None:
+                if not self.sink_walks:  # as it is: joining it could fault too
+                    self.stranded.append(freed)
+                self._freeing = None
+                self.needs_sweep = True  # until a sweep gets through (see `sweep`)
+                self._sweep(freed)  # a leaf it emptied before dropping it goes now
+                self.needs_sweep = False
             raise
         finally:
             self._freeing = None
@@ -82,6 +88,7 @@ class Eviction:
         # and the owner's own queue besides (PrefixCache shares it).
         self.stranded: list[Any] = []
         self.sink_walks = False
+        self.needs_sweep = False  # a walk raised and the sweep after it did too
         self._freeing: Freed | None = None  # what the running walk let go so far
 
     def _begin(self, freed: Freed) -> None:
@@ -317,6 +324,31 @@ class Eviction:
         for row, pages in enumerate(lost):
             if pages.size:
                 freed[tier][row].append(pages)
+
+    @_salvaging
+    def sweep(self) -> EvictResult:
+        """Drop every unlocked leaf no tier can resume from: what a walk a fault cut short
+        left, when the sweep after it faulted too (`needs_sweep`). The caller frees the
+        pages in the result. O(tree)."""
+        freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
+        self._begin(freed)
+        self._sweep(freed)
+        self.needs_sweep = False
+        return self._evict_result(freed)
+
+    def _sweep(self, freed: Freed) -> None:
+        """Every unlocked leaf no tier can resume from goes (its pages into `freed`): after
+        a walk a fault cut short between emptying a leaf and dropping it. O(tree)."""
+        stack, leaves = list(self.root.children.values()), []
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        for leaf in leaves:
+            if leaf.alive:
+                self._drop_dead_leaf(leaf, freed)
 
     def result_of(self, freed: Freed) -> EvictResult:
         """What a walk let go (one of `stranded`) as the EvictResult it would have made."""

@@ -87,6 +87,7 @@ class ShadowRadix(Eviction):
         # n_pages in each of them (no need to look at its shadows).
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
+        self.needs_repair = False  # a repair after a fault was itself cut short (`repair`)
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
         self.lifetime = LooseLifetime()  # read only under policy.adaptive_lifetime
         # Which node holds each device page, for moving them (an arena's compaction): off
@@ -424,39 +425,61 @@ class ShadowRadix(Eviction):
     # ------------------------------------------------------------------ locks
     def lock(self, node: Node) -> LockHandle:
         """Pin the path root..node (full_lock) and the window and state just before
-        node's end (window_lock). Locked shadows are never evicted."""
+        node's end (window_lock). Locked shadows are never evicted. A fault halfway
+        locks nothing."""
         if not node.alive:
             raise ValueError("cannot lock a node that was evicted")
         handle = LockHandle(node, min(self.rule.lock_pages, node.end_page))
-        self._lock_walk(handle, +1)
+        try:
+            self._lock_walk(handle, +1)
+        except BaseException:  # the nodes it locked are unlocked again
+            done, handle.done = handle.done, 0
+            self._lock_walk(handle, -1, stop=done)
+            raise
         return handle
 
     def unlock(self, handle: LockHandle) -> None:
-        """Release a lock taken by `lock`. Raises ValueError when released twice."""
+        """Release a lock taken by `lock`. Raises ValueError when released twice. A fault
+        halfway leaves the handle unreleased: unlocking it again finishes the walk."""
         if handle.released:
             raise ValueError("lock handle already released")
         self._lock_walk(handle, -1)
         handle.released = True
 
-    def _lock_walk(self, handle: LockHandle, step: int) -> None:
+    def _lock_walk(self, handle: LockHandle, step: int, stop: int | None = None) -> None:
+        """Lock (step +1) or unlock (-1) the path from handle.node up: the nodes from
+        `handle.done` (those a walk a fault cut short did already) to `stop` (None: the
+        root). Each node's counts move first, its lock counts last, then `done`; after a
+        fault the counts are made again from the nodes (`repair`), so the walk resumes
+        where it stopped."""
         need = handle.window_pages
         node: Node | None = handle.node
         flip = 0 if step > 0 else 1  # the count at which a page turns pinned / unpinned
-        while node is not None and node is not self.root:
-            if node.full_lock == flip:
-                self._pin(node, None, step)
-            node.full_lock += step
-            if need > 0:
-                take = min(need, node.n_pages)
-                cols = node.window_lock[node.n_pages - take:]
-                turning = cols == flip
-                if self.window_pin_rows and np.count_nonzero(turning):
-                    mask = np.zeros(node.n_pages, dtype=bool)
-                    mask[node.n_pages - take:] = turning
-                    self._pin(node, mask, step)
-                cols += step
+        i = 0
+        try:
+            while node is not None and node is not self.root and (stop is None or i < stop):
+                take = min(need, node.n_pages) if need > 0 else 0
+                if i >= handle.done:
+                    if node.full_lock == flip:
+                        self._pin(node, None, step)
+                    cols = node.window_lock[node.n_pages - take:]
+                    if take and self.window_pin_rows:
+                        turning = cols == flip
+                        if np.count_nonzero(turning):
+                            mask = np.zeros(node.n_pages, dtype=bool)
+                            mask[node.n_pages - take:] = turning
+                            self._pin(node, mask, step)
+                    node.full_lock += step
+                    if take:
+                        cols += step
+                    handle.done = i + 1
                 need -= take
-            node = node.parent
+                node = node.parent
+                i += 1
+        except BaseException:
+            self.repair(after_fault=True)
+            raise
+        handle.done = 0
 
     def _pin(self, node: Node, cols: np.ndarray | None, step: int) -> None:
         """Pinned counts as a node's full lock (cols None) or some window locks turn.
@@ -519,7 +542,7 @@ class ShadowRadix(Eviction):
         except BaseException:  # as it was: the caller still owns every page it gave
             for walk, _, give in given:
                 walk.slot(tier)[give] = -1
-            self.repair()
+            self.repair(after_fault=True)
             raise
 
     def absent(self, node: Node, tier: int, min_hits: int = 0) -> np.ndarray:
@@ -544,13 +567,16 @@ class ShadowRadix(Eviction):
         table = np.concatenate(parts, axis=1) if parts else np.empty((self.n_pools, 0), PAGE)
         return table, (path[-1][0] if path else None)
 
-    def repair(self) -> None:
+    def repair(self, after_fault: bool = False) -> None:
         """After a fault cut a change short (an insert that raised): what the tree derives
         from its nodes is made again from them. The counts, every node in each eviction
         queue it may belong to (they drop the wrong ones lazily) and the page owners map.
-        O(tree)."""
+        O(tree). Until one gets through, `needs_repair` stays set (a second fault inside
+        it): the cache's next operation repairs first."""
         from shadowradix.tree.integrity import recount
 
+        if after_fault:
+            self.needs_repair = True
         n_nodes, held, pinned = recount(self)
         self._n_nodes = n_nodes
         self._held = held.tolist()
@@ -562,6 +588,7 @@ class ShadowRadix(Eviction):
             self._enqueue(node)
             if self.owners is not None:
                 self.owners.note(node, node.pages)
+        self.needs_repair = False
 
     def path_table(self, node: Node, tier: int) -> np.ndarray:
         """One tier's page ids along root..node, as a [pools, node.end_page] table."""
@@ -600,11 +627,15 @@ class ShadowRadix(Eviction):
                     host=np.full((self.n_pools, n), -1, PAGE) if self.tiers > 1 else None)
 
     def _split(self, node: Node, j: int) -> Node:
-        head = node.split(j, self.page_size)
-        if self.owners is not None:
-            self.owners.note(head, head.pages)
-        self._n_nodes += 1
-        self._enqueue(head, head.pages >= 0)  # a new node: wherever it holds pages
+        head = node.split(j, self.page_size)  # all or nothing
+        try:
+            if self.owners is not None:
+                self.owners.note(head, head.pages)
+            self._n_nodes += 1
+            self._enqueue(head, head.pages >= 0)  # a new node: wherever it holds pages
+        except BaseException:  # linked: what the tree derives from it is made again
+            self.repair(after_fault=True)
+            raise
         return head
 
     def _touch(self, nodes: Iterator[Node] | list[Node]) -> None:

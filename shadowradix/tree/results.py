@@ -131,3 +131,4 @@ class LockHandle:
     node: Node
     window_pages: int
     released: bool = field(default=False)
+    done: int = 0  # nodes of a lock or unlock walk a fault cut short had done
