@@ -472,3 +472,63 @@ def test_a_fault_that_also_cuts_its_mending_short_is_mended_next(monkeypatch, po
     manager.flush_device()
     cache.flush(HOST)
     assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+def test_an_unlock_resumed_after_a_split_of_a_node_it_did_unlocks_each_node_once(monkeypatch):
+    """An unlock cut short above the handle's node resumes later; meanwhile an insert
+    split the node it had done. Counting the nodes it did by position, the resumed walk
+    took the split's head (with the counts already lowered) for one it had not done and
+    lowered them again: a negative lock count. It counts by page now."""
+    cache, _, _, manager = arena_host("write_through", frames=60, host_pages=120)
+    tree = cache.tree
+
+    def serve(t: np.ndarray) -> None:
+        lease = manager.admit(t, 64)
+        assert manager.grow(lease, t.size)
+        manager.finish(lease, t, t.size)
+
+    a = (np.arange(16) % 50).astype(np.int32)
+    x = np.arange(100, 120, dtype=np.int32)
+    serve(a)
+    c = np.concatenate([a[:8], x[:12], np.arange(200, 208, dtype=np.int32)])
+    running = manager.admit(c, 64)  # matches a[:8] only; hands c over later
+    assert manager.grow(running, c.size)
+    b = np.concatenate([a[:8], x])
+    serve(b)
+    serve(np.concatenate([a[:8], x[:4], np.arange(300, 308, dtype=np.int32)]))
+    m = tree.match_prefix(b, record=False)
+    handle = cache.lock(m)
+    real = ShadowRadix._pin
+
+    def pin(self, node, cols, step):
+        if step < 0 and node is m.node.parent:
+            raise KeyboardInterrupt("injected above the handle's node")
+        return real(self, node, cols, step)
+
+    monkeypatch.setattr(ShadowRadix, "_pin", pin)
+    with pytest.raises(KeyboardInterrupt):
+        cache.unlock(handle)
+    monkeypatch.undo()
+    manager.finish(running, c, c.size)  # its insert splits the node the unlock did
+    cache.match(a[:4], record=False)  # the next operation finishes the unlock
+    assert handle.released
+    assert all(n.full_lock >= 0 and (n.window_lock >= 0).all() for n in tree.nodes())
+    manager.check_integrity()
+
+
+def test_a_fault_pruning_a_matchs_dead_tail_is_swept_next(monkeypatch):
+    """A match that splits a node prunes the tail it left with no resume point; a fault at
+    that prune left the dead leaf for good. The next operation sweeps it."""
+    cache, _, _, manager = arena_host("write_through", frames=60, host_pages=120)
+    t = (np.arange(28) % 50).astype(np.int32)
+    lease = manager.admit(t, 64)
+    assert manager.grow(lease, 24)
+    manager.cache_prefix(lease, t, 24)  # running: its prefix without its live window
+    manager.abort(lease)
+    manager.check_integrity()
+    fail_at(monkeypatch, ShadowRadix, "prune", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cache.match(t, record=False)
+    monkeypatch.undo()
+    cache.match(t[:4], record=False)  # any later operation
+    manager.check_integrity()

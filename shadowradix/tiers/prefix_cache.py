@@ -191,7 +191,11 @@ class PrefixCache:
     def prune(self, node: Node) -> None:
         """Drop `node` (and ancestors) while it is an unlocked leaf no tier can resume
         from, freeing its pages; anything else stays."""
-        result = self.tree.prune(node)
+        try:
+            result = self.tree.prune(node)
+        except BaseException:  # the dead leaf may stay: the next operation sweeps it
+            self.tree.needs_sweep = True
+            raise
         if result is not None:
             self.release(result)
 
@@ -419,6 +423,7 @@ class PrefixCache:
         over them).
         """
         self._check_need(need, self.tier_pools(tier))
+        self._mend()
         t_alloc = time.perf_counter()
         try:
             return self._alloc(need, tier, room)
@@ -550,6 +555,7 @@ class PrefixCache:
               room: SpillRoom | None = None) -> int:
         """Evict at least `num_pages` of `pool` from `tier` if possible; returns how many of
         `pool` left that tier. With `room`, dropped device pages move to its host pages."""
+        self._mend()
         t0 = time.perf_counter()
         result = self.tree.evict(pool, num_pages, tier, room)
         self.release(result)
@@ -572,7 +578,6 @@ class PrefixCache:
                     self._unreleased.append((tier, name, pages, True))
 
     def _release_pending(self) -> None:
-        self._mend()
         pending = self._unreleased
         while pending:
             head = pending[0]
@@ -593,7 +598,9 @@ class PrefixCache:
         """Finish what a fault cut short twice (the change, then its mending): the tree's
         derived state (`repair`), the dead leaves a walk left (`sweep`, its pages queued
         to be freed); and unlocks a fault cut short (a lock nobody would retry, as a
-        landing's, would pin its pages for good)."""
+        landing's, would pin its pages for good). Run where an operation starts (match,
+        alloc, evict, check_integrity), never inside a hand-over: a running request's new
+        leaf, not locked yet, has no resume point."""
         tree = self.tree
         if tree.needs_repair:
             tree.repair()

@@ -433,8 +433,9 @@ class ShadowRadix(Eviction):
         try:
             self._lock_walk(handle, +1)
         except BaseException:  # the nodes it locked are unlocked again
-            done, handle.done = handle.done, 0
-            self._lock_walk(handle, -1, stop=done)
+            floor, handle.done_from = handle.done_from, None
+            if floor is not None:
+                self._lock_walk(handle, -1, floor=floor)
             raise
         return handle
 
@@ -446,20 +447,20 @@ class ShadowRadix(Eviction):
         self._lock_walk(handle, -1)
         handle.released = True
 
-    def _lock_walk(self, handle: LockHandle, step: int, stop: int | None = None) -> None:
-        """Lock (step +1) or unlock (-1) the path from handle.node up: the nodes from
-        `handle.done` (those a walk a fault cut short did already) to `stop` (None: the
-        root). Each node's counts move first, its lock counts last, then `done`; after a
+    def _lock_walk(self, handle: LockHandle, step: int, floor: int = 0) -> None:
+        """Lock (step +1) or unlock (-1) the path from handle.node up to the node starting
+        at page `floor`, but the nodes a walk a fault cut short did already: those from
+        `handle.done_from` (a page, so a node split since counts as done in both parts).
+        Each node's counts move first, its lock counts last, then `done_from`; after a
         fault the counts are made again from the nodes (`repair`), so the walk resumes
         where it stopped."""
         need = handle.window_pages
         node: Node | None = handle.node
         flip = 0 if step > 0 else 1  # the count at which a page turns pinned / unpinned
-        i = 0
         try:
-            while node is not None and node is not self.root and (stop is None or i < stop):
+            while node is not None and node is not self.root and node.end_page > floor:
                 take = min(need, node.n_pages) if need > 0 else 0
-                if i >= handle.done:
+                if handle.done_from is None or node.start_page < handle.done_from:
                     if node.full_lock == flip:
                         self._pin(node, None, step)
                     cols = node.window_lock[node.n_pages - take:]
@@ -472,14 +473,13 @@ class ShadowRadix(Eviction):
                     node.full_lock += step
                     if take:
                         cols += step
-                    handle.done = i + 1
+                    handle.done_from = node.start_page
                 need -= take
                 node = node.parent
-                i += 1
         except BaseException:
             self.repair(after_fault=True)
             raise
-        handle.done = 0
+        handle.done_from = None
 
     def _pin(self, node: Node, cols: np.ndarray | None, step: int) -> None:
         """Pinned counts as a node's full lock (cols None) or some window locks turn.

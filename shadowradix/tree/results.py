@@ -131,4 +131,6 @@ class LockHandle:
     node: Node
     window_pages: int
     released: bool = field(default=False)
-    done: int = 0  # nodes of a lock or unlock walk a fault cut short had done
+    # Where a lock or unlock walk a fault cut short got to: the first page of the last
+    # node it did (None: none); it resumes above it.
+    done_from: int | None = None
