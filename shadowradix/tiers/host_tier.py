@@ -261,12 +261,7 @@ class HostTier:
     def _forget(self, lost: list[Written]) -> None:
         """Tombstone the tree's cells that hold any of these pages and free them; the
         device pages that left the tree wait in `_dropped` for `recover` to report."""
-        rows = {name: row for row, name in enumerate(self.names)}
-        bad: list[list[list[np.ndarray]]] = [[[] for _ in self.names] for _ in range(2)]
-        for written in lost:
-            for name, tier, pages in written:
-                bad[tier][rows[name]].append(np.asarray(pages, dtype=PAGE).ravel())
-        merged = [[np.concatenate(p) if p else np.empty(0, PAGE) for p in tier] for tier in bad]
+        merged = self._merged(lost)
         before = len(self.tree.stranded)
         try:
             result = self.tree.forget(merged)
@@ -282,18 +277,25 @@ class HostTier:
         """A copy that reads a page a failed copy should have written (its forgetting
         faulted: the tree still names it until the next `recover`) writes no valid bytes
         either: its destinations, to be forgotten with it. Reads only."""
-        bad: dict[tuple[str, int], list[np.ndarray]] = {}
-        for written in self._unforgotten:
-            for name, tier, pages in written:
-                bad.setdefault((name, tier), []).append(np.asarray(pages).ravel())
+        bad = self._merged(self._unforgotten)
+        rows = {name: row for row, name in enumerate(self.names)}
         spread: Written = []
         for name, tier, src, dst in copies:
-            lost = bad.get((name, tier))
-            if lost:
-                hit = np.isin(np.asarray(src), np.concatenate(lost))
+            lost = bad[tier][rows[name]]
+            if lost.size:
+                hit = np.isin(np.asarray(src), lost)
                 if np.count_nonzero(hit):
                     spread.append((name, 1 - tier, np.asarray(dst)[hit]))
         return spread
+
+    def _merged(self, written: list[Written]) -> list[list[np.ndarray]]:
+        """The pages of `written`, one array per tier and pool row ([tier][row])."""
+        rows = {name: row for row, name in enumerate(self.names)}
+        parts: list[list[list[np.ndarray]]] = [[[] for _ in self.names] for _ in range(2)]
+        for pieces in written:
+            for name, tier, pages in pieces:
+                parts[tier][rows[name]].append(np.asarray(pages, dtype=PAGE).ravel())
+        return [[np.concatenate(p) if p else np.empty(0, PAGE) for p in tier] for tier in parts]
 
     def _note_dropped(self, freed: dict[str, np.ndarray]) -> None:
         """Device pages that left the tree for a failed copy, for `recover` to report."""

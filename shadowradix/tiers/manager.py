@@ -438,17 +438,13 @@ class CacheManager:
         running request's new leaf has no resume point (the request keeps its window): the
         lease locks it and names it its tail, as a hand-over does: it stays while the
         request runs, and `abort` prunes it."""
-        stop = start + pages.shape[1]
-        handed = lease.own[:, start:stop]
+        handed = lease.own[:, start:start + pages.shape[1]]
         try:
-            table, node = self.tree.held_path(tokens)
+            adopted, node = self.tree.adopted(tokens, pages, start)
         except BaseException:  # cannot tell: all it handed is the tree's (a leak at worst,
             handed[pages >= 0] = False  # never a page with two owners)
             raise
-        stop = min(table.shape[1], stop)
-        if stop > start:
-            mine = pages[:, :stop - start]
-            handed[:, :stop - start][(mine >= 0) & (table[:, start:stop] == mine)] = False
+        handed[adopted] = False
         self.tree.repair(after_fault=True)
         if not finished and node is not None and not node.children and not node.full_lock:
             lease.tail = node  # as after a hand-over: locked while it runs, pruned after

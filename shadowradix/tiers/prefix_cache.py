@@ -507,13 +507,9 @@ class PrefixCache:
         table = np.asarray(pages)
         if table.ndim != 2 or not table.size:
             return
-        held, _ = self.tree.held_path(tokens, tier)
         mine = table.astype(PAGE_DTYPE)
-        stop = min(held.shape[1], start + mine.shape[1])
-        kept = np.zeros(mine.shape, dtype=bool)
-        if stop > start:
-            kept[:, :stop - start] = held[:, start:stop] == mine[:, :stop - start]
-        lost = (mine >= 0) & ~kept
+        adopted, _ = self.tree.adopted(tokens, mine, start, tier)
+        lost = (mine >= 0) & ~adopted
         pools = self.tier_pools(tier)
         for row, name in enumerate(self.layout.pool_names):  # nor those the insert queued
             if not lost[row].any():                        # or freed (a fault after the

@@ -557,6 +557,19 @@ class ShadowRadix(Eviction):
                     (walk.slot(other) >= 0) & (walk.slot(tier) < 0))
         return out
 
+    def adopted(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray, start: int,
+                tier: int = DEVICE) -> tuple[np.ndarray, Node | None]:
+        """Which cells of `pages` ([pools, n] ids for pages [start, start + n) of `tokens`,
+        -1: none) the tree holds in `tier` along their path (after an insert that raised:
+        those it adopted), and the deepest node the path reaches; changes nothing."""
+        held, node = self.held_path(tokens, tier)
+        stop = min(held.shape[1], start + pages.shape[1])
+        mask = np.zeros(pages.shape, dtype=bool)
+        if stop > start:
+            mine = pages[:, :stop - start]
+            mask[:, :stop - start] = (mine >= 0) & (held[:, start:stop] == mine)
+        return mask, node
+
     def held_path(self, tokens: Sequence[int] | np.ndarray,
                   tier: int = DEVICE) -> tuple[np.ndarray, Node | None]:
         """One tier's page ids along `tokens`' path as far as the tree holds it, [pools,
