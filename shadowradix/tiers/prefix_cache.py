@@ -9,6 +9,7 @@ HostTier does (tiers/host_tier.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, Matc
 from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.stats import TreeStats
 from shadowradix.tree.tier import DEVICE, HOST
+
+log = logging.getLogger(__name__)
 
 COMPACT_ROUNDS = 8  # frames a lock holds, set aside, before a pool's compaction gives up
 
@@ -139,6 +142,7 @@ class PrefixCache:
         self._unlocking: list[LockHandle] = []  # unlocks under way (see `unlock`)
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
         self.allocs = 0
+        self.release_errors = 0  # page ids a queued release dropped: see `_drop_freed`
 
     @property
     def has_host(self) -> bool:
@@ -584,11 +588,40 @@ class PrefixCache:
             tier, name, pages, evicted = head
             try:
                 self.tier_pools(tier)[name].free(pages)  # atomic
-            except BaseException:  # nothing freed: it waits for the next release
+            except BaseException as err:  # nothing freed: it waits for the next release
                 pending.insert(0, head)
+                if isinstance(err, ValueError):  # unless it never would (`_drop_freed`)
+                    good = self._drop_freed(tier, name, pages)
+                    if good is not None:
+                        pending[0] = (tier, name, good, evicted)
+                        continue
                 raise
             if evicted:
                 (self.evicted if tier == DEVICE else self.evicted_host)[name] += pages.size
+
+    def _drop_freed(self, tier: int, name: str, pages: np.ndarray) -> np.ndarray | None:
+        """A queued release a pool refused (ValueError): the pages to free instead, when
+        some of `pages` are not in use or not pages of the pool (None: all are; the
+        refusal was something else). Only a bug puts such an id in the queue (a page freed
+        twice); retried, it would make every later release raise and the cache stop
+        serving, so those ids are dropped with an error logged (and counted in
+        `release_errors`)."""
+        pool = self.tier_pools(tier)[name]
+        ids = np.asarray(pages).ravel()
+        ok = np.zeros(ids.size, dtype=bool)
+        if np.issubdtype(ids.dtype, np.integer):
+            inside = (ids >= 0) & (ids < pool.num_pages)
+            ok[inside] = pool.in_use(ids[inside])
+        good = np.unique(ids[ok]).astype(PAGE_DTYPE)
+        dropped = ids.size - good.size
+        if not dropped:
+            return None
+        self.release_errors += dropped
+        log.error("pool %r (%s): %d page id(s) queued for release were not in use or not "
+                  "pages of the pool (freed twice: a bug); dropped (e.g. %s), %d freed",
+                  name, "device" if tier == DEVICE else "host", dropped,
+                  np.setdiff1d(ids, good)[:8].tolist(), good.size)
+        return good
 
     def _mend(self) -> None:
         """Finish what a fault cut short twice (the change, then its mending): the tree's
