@@ -139,6 +139,7 @@ class KVLayout:
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
         object.__setattr__(self, "_rows", {n: i for i, n in enumerate(names)})  # index()
+        object.__setattr__(self, "_names", tuple(names))  # pool_names
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         bad = [p for p in self.pools if p.ratio is not None and self.page_size % p.ratio]
@@ -162,7 +163,7 @@ class KVLayout:
 
     @property
     def pool_names(self) -> tuple[str, ...]:
-        return tuple(p.name for p in self.pools)
+        return self._names  # type: ignore[attr-defined]
 
     def rows(self, retention: Retention) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.pools) if p.retention is retention)

@@ -269,6 +269,7 @@ class ArenaPool:
         self._slots = np.empty(self.num_pages, dtype=PAGE_DTYPE)  # free slots, top last
         self._top = 0
         self._gone = np.zeros(arena.frames, dtype=bool)  # scratch: frames going back
+        self._offsets = np.arange(self.per_frame, dtype=PAGE_DTYPE)  # a frame's slots
         # The last claim's slots and the stack before it (see `unclaim`).
         self._claimed = (np.empty(0, PAGE_DTYPE), np.empty(0, PAGE_DTYPE))
         self.used_pages = 0
@@ -300,9 +301,10 @@ class ArenaPool:
         """Take `n` pages: free slots of the frames it holds first (the one freed last
         first), then new frames. Raises PoolExhausted (changing nothing) if they do not
         fit."""
-        n = page_count(self.name, n)
+        if type(n) is not int or n < 0:
+            n = page_count(self.name, n)
         k, top = self.per_frame, self._top
-        if n > top + self.arena.free_frames * k:
+        if n > top + self.arena._top * k:
             raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, "
                                 f"{self.free_pages} free in the arena")
         if n == 0:
@@ -315,7 +317,7 @@ class ArenaPool:
             self.frames_held += n
         else:  # new frames: a fault there (the only call out) leaves everything as it was
             fresh = self.arena.take(-(-(n - top) // k), self.row)
-            slots = (fresh[:, None] * k + np.arange(k, dtype=PAGE_DTYPE)).ravel()
+            slots = (fresh[:, None] * k + self._offsets).ravel()
             pages = np.concatenate((self._slots[:top][::-1], slots[:n - top]))
             rest = slots[n - top:]  # the last new frame's slots it leaves free
             self._slots[:rest.size] = rest[::-1]
@@ -329,49 +331,58 @@ class ArenaPool:
         """Return pages; a frame whose last page goes back returns to the arena. Raises
         ValueError (changing nothing) on a page not in use."""
         pages = checked_free(self.name, self._in_use, pages)
-        if pages.size == 0:
+        n = pages.size
+        if n == 0:
             return
         k = self.per_frame
         if k == 1:  # a page is a frame
             self.arena.give(pages.copy())  # first: a fault there leaves everything as it was
             self._in_use[pages] = False
-            self.frames_held -= pages.size
-            self.used_pages -= pages.size
+            self.frames_held -= n
+            self.used_pages -= n
             return
         in_use = self._in_use
         in_use[pages] = False
-        if self._top + pages.size < k:  # fewer free slots than a frame: none goes back
+        if self._top + n < k:  # fewer free slots than a frame: none goes back
             self._push(pages)
-            self.used_pages -= pages.size
-            return
-        frames = pages // k
-        touched = frames  # with runs of one frame cut to one (a node's pages come in runs)
-        if frames.size > 1:
-            first = np.empty(frames.size, dtype=bool)
-            first[0] = True
+        elif n == 1:  # the commonest: one frame to look at
+            frame = pages.item(0) // k
+            if np.count_nonzero(in_use[frame * k:frame * k + k]):
+                self._push(pages)
+            else:
+                self._give_back(pages, pages // k, np.array([frame]))
+        else:
+            frames = pages // k
+            first = np.empty(n, dtype=bool)  # runs of one frame cut to one (a node's
+            first[0] = True                  # pages come in runs)
             np.not_equal(frames[1:], frames[:-1], out=first[1:])
             touched = frames[first]
-        left = in_use.reshape(-1, k)[touched].any(axis=1)  # pages in use left in each
-        if np.count_nonzero(left) == left.size:
-            self._push(pages)
-        else:
-            gone = np.unique(touched[~left])
-            try:
-                self.arena.give(gone)
-            except BaseException:  # as it was
-                in_use[pages] = True
-                raise
-            mark = self._gone
-            mark[gone] = True
-            slots = self._slots[:self._top]
-            kept = slots[~mark[slots // k]]
-            rest = pages[~mark[frames]]
-            mark[gone] = False
-            self._top = 0
-            self._push(kept)
-            self._push(rest)
-            self.frames_held -= gone.size
-        self.used_pages -= pages.size
+            left = in_use.reshape(-1, k)[touched].any(axis=1)  # pages in use left in each
+            if np.count_nonzero(left) == left.size:
+                self._push(pages)
+            else:
+                self._give_back(pages, frames, np.unique(touched[~left]))
+        self.used_pages -= n
+
+    def _give_back(self, pages: np.ndarray, frames: np.ndarray, gone: np.ndarray) -> None:
+        """`free` of `pages` (in `frames`, marked free already) emptied frames `gone`:
+        they go back to the arena and their slots leave the stack; the other pages go
+        on it."""
+        try:
+            self.arena.give(gone)
+        except BaseException:  # as it was
+            self._in_use[pages] = True
+            raise
+        k, mark = self.per_frame, self._gone
+        mark[gone] = True
+        slots = self._slots[:self._top]
+        kept = slots[~mark[slots // k]]
+        rest = pages[~mark[frames]]
+        mark[gone] = False
+        self._top = 0
+        self._push(kept)
+        self._push(rest)
+        self.frames_held -= gone.size
 
     def _push(self, slots: np.ndarray) -> None:
         top = self._top

@@ -18,7 +18,7 @@ import numpy as np
 from shadowradix.layout.spec import KVLayout
 from shadowradix.tree.lifetime import LooseLifetime
 from shadowradix.tree.lru import LRUHeap
-from shadowradix.tree.node import PAGE, Node
+from shadowradix.tree.node import Node
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.results import EvictResult
 from shadowradix.tree.rules import MatchRule
@@ -90,6 +90,7 @@ class Eviction:
         self.sink_walks = False
         self.needs_sweep = False  # a walk raised and the sweep after it did too
         self._freeing: Freed | None = None  # what the running walk let go so far
+        self._byte_plans: dict[tuple[int, ...], Any] = {}  # evict_bytes' rows per budget
 
     def _begin(self, freed: Freed) -> None:
         """A walk starts letting pages go into `freed` (see `_salvaging`)."""
@@ -151,21 +152,17 @@ class Eviction:
         self._begin(freed)
         if want <= 0:
             return self._evict_result(freed)
-        # A row of 0 bytes (a pool outside the budget: in host memory beside an arena)
-        # frees none of it: only the walk of a row that counts takes its pages along.
-        counted = [r for r in self.short_lived_rows if page_bytes[r] > 0]
-        if self.policy.tombstones and not self.policy.adaptive_lifetime and counted:
-            # Loose pages first, every row; a node's loose pages in the other short-lived
-            # rows go with those of the row with the largest pages (one is useless
-            # without the others: every short-lived row is needed at a resume point).
-            rows = sorted(counted, key=lambda r: -page_bytes[r])
-            along = [r for r in self.short_lived_rows if r != rows[0]]
-            for i, row in enumerate(rows):
-                short = want - got()
-                if short > 0:
-                    self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed,
-                                    None, along if i == 0 else ())
-        self._evict_older(want, page_bytes, freed, got)
+        counted, loose_rows, along, lead = self._byte_rows(page_bytes)
+        # Loose pages first, every row (`loose_rows`, largest pages first); a node's loose
+        # pages in the other short-lived rows go with those of the row with the largest
+        # pages (one is useless without the others: every short-lived row is needed at a
+        # resume point).
+        for i, row in enumerate(loose_rows):
+            short = want - got()
+            if short > 0:
+                self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed,
+                                None, along if i == 0 else ())
+        self._evict_older(want, lead, freed, got)
         # Pages the walk above did not reach (rows other than the one it walks by).
         for kept in (False, True) if self.policy.tombstones else ():
             for row in counted:
@@ -175,15 +172,33 @@ class Eviction:
                                     None)
         return self._evict_result(freed)
 
-    def _evict_older(self, want: int, page_bytes: list[int], freed: Freed,
-                     got: _Tally) -> None:
-        """Leaves, kept checkpoints and loose pages, oldest first (a loose page's age
+    def _byte_rows(self, page_bytes: list[int]) -> tuple[list[int], list[int], list[int],
+                                                         int | None]:
+        """For `evict_bytes` over `page_bytes` (made once per budget): the short-lived
+        rows that count (a row of 0 bytes, a pool outside the budget, frees none: only
+        the walk of a row that counts takes its pages along); those the loose-first pass
+        walks (none under `adaptive_lifetime` or without tombstones), largest pages first;
+        the rows whose loose pages go along with the first; and the row the walk by age
+        follows for short-lived pages (None: none counts, or no tombstones)."""
+        key = tuple(page_bytes)
+        got = self._byte_plans.get(key)
+        if got is None:
+            counted = [r for r in self.short_lived_rows if page_bytes[r] > 0]
+            loose = (sorted(counted, key=lambda r: -page_bytes[r])
+                     if self.policy.tombstones and not self.policy.adaptive_lifetime else [])
+            along = [r for r in self.short_lived_rows if loose and r != loose[0]]
+            lead = (max(counted, key=lambda r: page_bytes[r])
+                    if counted and self.policy.tombstones else None)
+            got = self._byte_plans[key] = (counted, loose, along, lead)
+        return got
+
+    def _evict_older(self, want: int, lead: int | None, freed: Freed, got: _Tally) -> None:
+        """Leaves, kept checkpoints and loose pages (those of row `lead`, the short-lived
+        row of the largest pages; None: leaves only), oldest first (a loose page's age
         stretched), until `want` bytes are freed."""
         if got() >= want:  # the loose pages did it: no walk to start (each pops a head)
             return
         rows = self.short_lived_rows if self.policy.tombstones else []
-        counted = [r for r in rows if page_bytes[r] > 0]  # a walk by a 0-byte row frees none
-        lead = max(counted, key=lambda r: page_bytes[r]) if counted else None
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
         kinds = [(lead, False), (lead, True)] if lead is not None else []
         walks: list[_Walk] = []  # first on a tie (min keeps the first): loose, kept, leaf
@@ -204,7 +219,7 @@ class Eviction:
                 live = [w for w in walks if w.node is not None]
                 if not live:
                     break
-                w = min(live, key=stamp)
+                w = min(live, key=stamp) if len(live) > 1 else live[0]
                 node = w.node
                 assert node is not None
                 if node.alive and w.row is None:
@@ -355,16 +370,7 @@ class Eviction:
         return self._evict_result(freed)
 
     def _evict_result(self, freed: Freed) -> EvictResult:
-        out = []
-        for rows in freed:
-            joined = {}
-            for i, p in enumerate(self.layout.pools):
-                pages = joined[p.name] = _joined(rows[i])
-                if len(rows[i]) > 1:  # joined once: whoever reads `freed` again
-                    rows[i][:] = [pages]
-            out.append(joined)
-        return EvictResult(out[DEVICE], out[HOST] if self.tiers > 1 else {},
-                           queued=self.sink_walks)
+        return EvictResult.of_walk(freed, self.layout.pool_names, queued=self.sink_walks)
 
     def _free_cells(self, node: Node, tier: int, row: int, kept: bool) -> np.ndarray:
         """The cells of one pool row that eviction may let go: present in `tier`, not held
@@ -611,13 +617,6 @@ class Eviction:
             for row in self.short_lived_rows:
                 self._loose[tier][row].add(node)
                 self._kept[tier][row].add(node)
-
-
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    """One array of page ids from several (none: empty)."""
-    if len(arrays) > 1:
-        return np.concatenate(arrays)
-    return arrays[0] if arrays else np.empty(0, PAGE)
 
 
 def _any_node(node: Node) -> bool:

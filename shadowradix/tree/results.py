@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shadowradix.tree.lifetime import Ghost
-from shadowradix.tree.node import Node
+from shadowradix.tree.node import PAGE, Node
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,6 @@ class InsertResult:
     tail: Node | None = None
 
 
-@dataclass(frozen=True)
 class EvictResult:
     """Per pool, the pages the tree let go. The caller frees exactly these.
 
@@ -114,14 +113,69 @@ class EvictResult:
     tiers, whichever one was evicted); empty without a host tier. queued: the
     walk put them in the tree's `stranded` as it began (`sink_walks`): the
     owner frees them from there, not from here.
+
+    A walk's result (`of_walk`) joins its rows into these dicts only when one is read:
+    an owner that frees from `stranded` never reads them.
     """
 
-    freed: dict[str, np.ndarray]
-    freed_host: dict[str, np.ndarray] = field(default_factory=dict)
-    queued: bool = False
+    __slots__ = ("_freed", "_freed_host", "_walk", "queued")
+
+    def __init__(self, freed: dict[str, np.ndarray],
+                 freed_host: dict[str, np.ndarray] | None = None, queued: bool = False) -> None:
+        self._freed: dict[str, np.ndarray] | None = freed
+        self._freed_host: dict[str, np.ndarray] = {} if freed_host is None else freed_host
+        self._walk: tuple[list[list[list[np.ndarray]]], tuple[str, ...]] | None = None
+        self.queued = queued
+
+    @classmethod
+    def of_walk(cls, rows: list[list[list[np.ndarray]]], names: tuple[str, ...],
+                queued: bool) -> EvictResult:
+        """The result of a walk that let go `rows` ([tier][pool row] -> arrays of ids;
+        the pool rows named `names`), joined when first read."""
+        result = cls({}, None, queued)
+        result._freed, result._walk = None, (rows, names)
+        return result
+
+    @property
+    def freed(self) -> dict[str, np.ndarray]:
+        if self._freed is None:
+            self._join()
+        assert self._freed is not None
+        return self._freed
+
+    @property
+    def freed_host(self) -> dict[str, np.ndarray]:
+        if self._freed is None:
+            self._join()
+        return self._freed_host
+
+    def _join(self) -> None:
+        assert self._walk is not None
+        rows, names = self._walk
+        out = []
+        for tier in rows:
+            joined = {}
+            for name, arrays in zip(names, tier, strict=True):
+                pages = joined[name] = _joined(arrays)
+                if len(arrays) > 1:  # joined once: whoever reads the rows again
+                    arrays[:] = [pages]
+            out.append(joined)
+        self._freed_host = out[1] if len(out) > 1 else {}
+        self._freed = out[0]
 
     def count(self, pool: str) -> int:
         return int(self.freed[pool].size)
+
+    def __repr__(self) -> str:
+        return (f"EvictResult(freed={self.freed!r}, freed_host={self.freed_host!r}, "
+                f"queued={self.queued!r})")
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array of page ids from several (none: empty)."""
+    if len(arrays) > 1:
+        return np.concatenate(arrays)
+    return arrays[0] if arrays else np.empty(0, PAGE)
 
 
 @dataclass
