@@ -49,7 +49,7 @@ from shadowradix.pool.arena import Arena, ArenaPool, plan_frames
 from shadowradix.sim.replay import replay
 from shadowradix.sim.simulate import make_cache, policy_choice
 from shadowradix.sim.synth import ChatShape, Lengths, synth_trace
-from shadowradix.tiers import PrefixCache
+from shadowradix.tiers import PrefixCache, prefix_cache
 from shadowradix.tiers.manager import CacheManager
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.relocate import PageOwners
@@ -253,7 +253,7 @@ def test_compaction_moves_nothing_when_moving_cannot_lower_the_shortage() -> Non
     for on in (True, False):
         cache, _ = frames_of([1, 3, 2])
         if not on:
-            cache.compact = lambda frames, need=None, busy=(): 0  # type: ignore[method-assign]
+            cache.compact = lambda frames, need=None, busy=(), least=1: 0  # type: ignore[method-assign]
         short = cache.arena.frames_short(cache._arena_pools, {"c4": 7})
         assert short == 1
         assert cache.alloc({"c4": 7}) is not None
@@ -267,6 +267,44 @@ def test_compaction_with_nothing_locked_frees_a_frame_and_keeps_every_prefix() -
     cache, seqs = frames_of([1, 3, 2])
     assert cache.alloc({"kv": 1}) is not None
     assert sum(cache.evicted.values()) == 0 and sum(cache.moved.values()) == 1
+    for tokens in seqs:
+        assert cache.match(np.append(tokens, 0), record=False).prefix_len == HPS
+    cache.check_integrity()
+
+
+def test_compaction_waits_for_holes_to_gather_then_gives_back_them_all(monkeypatch) -> None:
+    """With `least` frames to wait for (1/COMPACT_SHARE of the arena), one frame of holes
+    is left alone (the allocation evicts instead), and once the holes make `least` frames
+    one compaction gives back all of them."""
+    monkeypatch.setattr(prefix_cache, "COMPACT_SHARE", 10)  # 20 frames: least 2
+    cache, _ = frames_of([1, 3, 2, 4])  # 6 free slots: 1 frame of holes
+    assert cache.arena.frames // cache.compact_share == 2
+    assert cache.alloc({"kv": 1}) is not None
+    assert sum(cache.moved.values()) == 0 and sum(cache.evicted.values()) > 0
+    cache.check_integrity()
+
+    cache, seqs = frames_of([1, 1, 2, 4])  # 8 free slots: 2 frames of holes
+    assert cache.alloc({"kv": 1}) is not None
+    assert sum(cache.evicted.values()) == 0
+    assert cache.moved["c4"] == 2 and cache.arena.free_frames == 1  # 2 back, 1 taken
+    for tokens in seqs:
+        assert cache.match(np.append(tokens, 0), record=False).prefix_len == HPS
+    cache.check_integrity()
+
+
+def test_below_the_threshold_compaction_is_the_last_resort(monkeypatch) -> None:
+    """Where eviction frees nothing (what the walks cannot reach), the holes it waited on
+    are compacted before the allocation gives up."""
+    monkeypatch.setattr(prefix_cache, "COMPACT_SHARE", 10)
+    cache, seqs = frames_of([1, 3, 2, 4])
+
+    def empty(*a, **k):
+        return cache.tree.result_of([[[] for _ in cache.layout.pools]])
+
+    monkeypatch.setattr(cache.tree, "evict_bytes", empty)
+    monkeypatch.setattr(cache.tree, "evict", empty)
+    assert cache.alloc({"kv": 1}) is not None
+    assert sum(cache.evicted.values()) == 0 and cache.moved["c4"] >= 1
     for tokens in seqs:
         assert cache.match(np.append(tokens, 0), record=False).prefix_len == HPS
     cache.check_integrity()
@@ -458,11 +496,13 @@ SHAPE = dict(system_tokens=Lengths(1500, 0.5), prompt_tokens=Lengths(300, 1.0),
              reply_tokens=Lengths(300, 0.8))
 
 
-@pytest.mark.parametrize("chunk_pages", [1, 4])
-def test_simulated_replays_over_an_arena_keep_the_tree_sound_and_hit_no_less(chunk_pages):
+@pytest.mark.parametrize("chunk_pages,least", [(1, 1), (4, 1), (4, 4)])
+def test_simulated_replays_over_an_arena_keep_the_tree_sound_and_hit_no_less(chunk_pages,
+                                                                              least):
     """Metadata-only replays of synthetic chats over a small arena, the manager's checks
     (the owner map included) after every request; compaction moved pages, and the hit
-    rate is at least the same replay's with compaction off."""
+    rate is at least the same replay's with compaction off. `least`: the frames of holes
+    a pool waits for before it compacts (`compact_share`)."""
     lay = deepseek_v4_flash()
     moved = 0
     for seed in range(2):
@@ -470,8 +510,10 @@ def test_simulated_replays_over_an_arena_keep_the_tree_sound_and_hit_no_less(chu
         rates = {}
         for on in (True, False):
             cache = make_cache(lay, policy_choice("shadowradix"), 0.5 * 2**30, arena=True)
+            assert cache.arena is not None and cache.arena.frames >= 4 * least
+            cache.compact_share = cache.arena.frames // least
             if not on:
-                cache.compact = lambda frames, need=None, busy=(): 0  # type: ignore[method-assign]
+                cache.compact = lambda frames, need=None, busy=(), least=1: 0  # type: ignore[method-assign]
             st_ = replay(cache, trace, with_output=True, chunk_pages=chunk_pages, check_every=1)
             assert st_.refused == 0
             rates[on] = st_.hit_rate
