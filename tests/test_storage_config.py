@@ -86,3 +86,32 @@ def test_paths_in_messages_are_the_callers(tmp_path):
     with pytest.raises(ValueError) as e:
         CacheConfig(storage=Path("relative/dir"))
     assert "file://relative/dir" in str(e.value)
+
+
+@pytest.mark.parametrize("setup", ["/99999", "/0?client_name=a%20b"])
+def test_a_url_whose_setup_the_server_refuses_is_a_value_error(redis_server, setup):
+    """A DB index the server does not have, or a client name it refuses: before, the
+    server's ResponseError escaped from the engine's construction."""
+    url = f"redis://127.0.0.1:{redis_server.port}{setup}"
+    with pytest.raises(ValueError, match="refused this URL's connection setup") as e:
+        open_storage(url)
+    assert ("out of range" in str(e.value)) == (setup == "/99999")  # the server's reason
+    ok = open_storage(f"redis://127.0.0.1:{redis_server.port}/3?client_name=engine-1")
+    assert ok.batch_set([("ns/c4/" + "ab" * 16, b"ok")]) == [True] and not ok.errors
+    ok.close()
+
+
+@pytest.mark.parametrize("option", ["socket_timeout=-1", "socket_timeout=inf",
+                                    "socket_connect_timeout=0", "socket_timeout=nan",
+                                    "socket_timeout=soon"])
+def test_a_timeout_option_that_is_not_seconds_is_refused(option):
+    """Before, `?socket_timeout=-1` (or inf) was taken, and every call then failed in
+    redis-py, counted as the server's bad replies."""
+    url = f"redis://127.0.0.1:1/0?{option}"
+    name = option.split("=")[0]
+    with pytest.raises(ValueError, match=f"{name} must be a number of seconds > 0"):
+        CacheConfig(page_size=16, device_tokens=256, storage=url)
+    with pytest.raises(ValueError, match=f"{name} must be a number of seconds > 0"):
+        open_storage(url)
+    CacheConfig(page_size=16, device_tokens=256,
+                storage="redis://127.0.0.1:1/0?socket_timeout=2.5")

@@ -20,6 +20,7 @@ ValueError.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -45,13 +46,29 @@ from shadowradix.tiers.storage.redis_common import (
 REPLY_OPTIONS = ("decode_responses", "encoding", "encoding_errors")
 
 
+# Options in seconds: redis-py takes any float and fails on each call with one it cannot
+# use (inf, -1), which would read as a server's bad replies.
+SECONDS_OPTIONS = ("socket_timeout", "socket_connect_timeout")
+
+
 def check_url_options(url: str) -> None:
-    """ValueError naming each query option of `url` that REPLY_OPTIONS refuses."""
-    refused = [name for name in parse_qs(urlsplit(url).query) if name in REPLY_OPTIONS]
+    """ValueError naming each query option of `url` that REPLY_OPTIONS refuses, or one in
+    seconds (SECONDS_OPTIONS) that is not a finite number > 0."""
+    query = parse_qs(urlsplit(url).query)
+    refused = [name for name in query if name in REPLY_OPTIONS]
     if refused:
         raise ValueError(f"{redact(url)}: the URL option {', '.join(refused)} changes what "
                          f"redis-py returns (storage keys and objects are raw bytes); "
                          f"remove it from the URL")
+    for name in SECONDS_OPTIONS:
+        for value in query.get(name, ()):
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = math.nan
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{redact(url)}: the URL option {name} must be a number of "
+                                 f"seconds > 0, got {value!r}")
 
 
 class _NoResp3(Exception):
@@ -119,7 +136,11 @@ class RedisBackend(StorageBackend):
                 raise ValueError(f"the server at {redact(url)} refused the RESP3 handshake "
                                  f"({e}); a server older than Redis 6 needs ?protocol=2 in "
                                  f"the URL") from None
-            raise
+            # It refused what the URL sets up (a DB index it does not have, a client name
+            # with a space): retrying would never do better.
+            self._client.close()
+            raise ValueError(f"the server at {redact(url)} refused this URL's connection "
+                             f"setup ({e}); check the DB index and the options") from None
         except unreachable_errors() as e:
             self.errors["unreachable"] += 1
             self.breaker.failed()
