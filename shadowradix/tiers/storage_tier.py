@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +46,15 @@ T = TypeVar("T")
 CONCURRENT = (RedisBackend, RedisClusterBackend)  # safe to call from both threads at once
 READ_SLACK_S = 0.5  # scheduling slack past the backend's deadline before a read is given up
 NO_DEADLINE_WAIT_S = 10.0  # how long a read may keep its request waiting without a deadline
+# One call to a store with a deadline moves at most CALL_SHARE of the deadline's worth of
+# bytes at the rate the store has shown (never taken below RATE_FLOOR bytes/s): a healthy
+# store is never timed out (and shut off by its breaker) for a large prefix or batch.
+RATE_FLOOR = 256 << 20
+CALL_SHARE = 0.5
+# Write-through waiting for the store: at most this many calls' worth of bytes (or
+# BACKLOG_BYTES without a deadline); past it a batch is dropped, counted "write_dropped".
+BACKLOG_CALLS = 8
+BACKLOG_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,30 @@ class StorageTier:
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage-write")
         self._serial = None if isinstance(backend, CONCURRENT) else threading.Lock()
         self._stream: Any = None  # CUDA pools: the copy stream of write-through (lazily)
+        self.rate = float(RATE_FLOOR)  # bytes/s the store has shown (see `call_bytes`)
+        self._backlog = 0  # bytes of write-through submitted and not yet stored
+        self._backlog_lock = threading.Lock()
+
+    @property
+    def call_bytes(self) -> int | None:
+        """The most bytes one store call moves (None: a backend without a deadline, no
+        limit): CALL_SHARE of the deadline at the rate the store has shown. A read past
+        it resumes at the deepest point within it; a write is split into such calls."""
+        if self.deadline_s is None:
+            return None
+        return int(CALL_SHARE * self.deadline_s * self.rate)
+
+    @property
+    def backlog_bytes(self) -> int:
+        """The most bytes of write-through that may wait for the store."""
+        calls = self.call_bytes
+        return BACKLOG_BYTES if calls is None else BACKLOG_CALLS * calls
+
+    def _moved(self, nbytes: int, seconds: float) -> None:
+        """A call moved `nbytes` in `seconds`: the rate follows what large calls show
+        (small ones measure the round trip, not the rate)."""
+        if self.deadline_s is not None and seconds > 0.1 * self.deadline_s:
+            self.rate = max(float(RATE_FLOOR), 0.5 * self.rate + 0.5 * nbytes / seconds)
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
         return [object_key(self.namespace, name, hashes[i])
@@ -122,11 +156,16 @@ class StorageTier:
         found = self.backend.batch_exists(self._keys(hashes, done, limit))
         whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.names)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
-        q = self.rule.deepest_after(table, stop - done)
+        extra, cap = stop - done, self.call_bytes
+        if cap is not None:  # what one call moves within its deadline (see `call_bytes`)
+            extra = min(extra, max(1, cap // sum(self.page_bytes[n] for n in self.names)))
+        q = self.rule.deepest_after(table, extra)
         if q <= done:
             return empty
         sizes = [self.page_bytes[name] for _ in range(done, q) for name in self.names]
+        t0 = time.monotonic()
         blobs = self.backend.batch_get(self._keys(hashes, done, q), sizes)
+        seconds = time.monotonic() - t0
         intact: list[bytes] = []
         for blob, size in zip(blobs, sizes, strict=True):
             if blob is None:
@@ -135,7 +174,8 @@ class StorageTier:
                 self.faults["wrong_size"] += 1  # intact, but not a page of this layout
                 return empty
             intact.append(blob)
-        self.bytes_read += sum(len(b) for b in intact)
+        self.bytes_read += sum(sizes)
+        self._moved(sum(sizes), seconds)
         return Fetched(done, q, intact)
 
     def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
@@ -167,17 +207,35 @@ class StorageTier:
         on CUDA the wait for the copy, run on the write thread."""
         if hi <= lo:
             return
-        hashes = page_hashes(tokens[:hi * self.page_size], self.page_size)
-        keys = self._keys(hashes, lo, hi)
-        n = len(self.names)
-        sources = [tensor(self.names[k % n])[:, int(pages[self.names[k % n]][k // n])]
-                   for k in range(len(keys))]
-        if sources and sources[0].is_cuda:
-            staged, copied = self._stage(sources)
-            self._writes.submit(self._store_staged, keys, staged, copied)
-        else:
-            self._writes.submit(self._store, list(zip(keys, map(_payload, sources),
-                                                      strict=True)))
+        nbytes = (hi - lo) * sum(self.page_bytes[n] for n in self.names)
+        with self._backlog_lock:  # a store that cannot keep up: drop, never queue for ever
+            full = self._backlog > 0 and self._backlog + nbytes > self.backlog_bytes
+            if not full:
+                self._backlog += nbytes
+        if full:
+            self.faults["write_dropped"] += (hi - lo) * len(self.names)
+            log.warning("storage write-through of %d pages dropped: %d bytes still wait "
+                        "for the store", hi - lo, self._backlog)
+            return
+        try:
+            hashes = page_hashes(tokens[:hi * self.page_size], self.page_size)
+            keys = self._keys(hashes, lo, hi)
+            n = len(self.names)
+            sources = [tensor(self.names[k % n])[:, int(pages[self.names[k % n]][k // n])]
+                       for k in range(len(keys))]
+            if sources and sources[0].is_cuda:
+                staged, copied = self._stage(sources)
+                self._writes.submit(self._store_staged, keys, staged, copied, nbytes)
+            else:
+                self._writes.submit(self._store, list(zip(keys, map(_payload, sources),
+                                                          strict=True)), nbytes)
+        except BaseException:  # nothing queued: it waits for nothing
+            self._stored(nbytes)
+            raise
+
+    def _stored(self, nbytes: int) -> None:
+        with self._backlog_lock:
+            self._backlog -= nbytes
 
     def _stage(self, sources: list[Any]) -> tuple[list[Any], Any]:
         """Device -> pinned host copies on this tier's own stream, after the KV written so
@@ -200,25 +258,39 @@ class StorageTier:
         compute.wait_event(copied)  # a later write to these pages runs after the copy
         return staged, copied
 
-    def _store_staged(self, keys: list[str], staged: list[Any], copied: Any) -> None:
+    def _store_staged(self, keys: list[str], staged: list[Any], copied: Any,
+                      nbytes: int) -> None:
         try:
             copied.synchronize()  # on the write thread: the scheduler never waits for it
             items = list(zip(keys, map(_payload, staged), strict=True))
         except Exception:
+            self._stored(nbytes)
             self._write_failed(len(keys))
             return
-        self._store(items)
+        self._store(items, nbytes)
 
-    def _store(self, items: list[tuple[str, bytes]]) -> None:
+    def _store(self, items: list[tuple[str, bytes]], nbytes: int = 0) -> None:
         """Write-through on the write thread, whose Futures nobody reads: whatever the
-        backend raises is counted and logged here, never lost."""
+        backend raises is counted and logged here, never lost. In calls of at most
+        `call_bytes`, each within its own deadline; `nbytes` leaves the backlog after."""
         try:
+            for batch in _batches(items, self.call_bytes):
+                self._store_batch(batch)
+        finally:
+            self._stored(nbytes)
+
+    def _store_batch(self, items: list[tuple[str, bytes]]) -> None:
+        try:
+            t0 = time.monotonic()
             ok = self._call(self.backend.batch_set, items)
+            seconds = time.monotonic() - t0
             written = sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
         except Exception:
             self._write_failed(len(items))
             return
         self.bytes_written += written
+        if all(ok):
+            self._moved(written, seconds)
 
     def _write_failed(self, n: int) -> None:
         self.faults["write_failed"] += n
@@ -253,6 +325,23 @@ class StorageTier:
         self._reads.shutdown(wait=True, cancel_futures=True)
         self._writes.shutdown(wait=True)
         self.backend.close()
+
+
+def _batches(items: list[tuple[str, bytes]],
+             limit: int | None) -> list[list[tuple[str, bytes]]]:
+    """`items` in runs of at most `limit` payload bytes (at least one item each; None: one
+    run)."""
+    if limit is None:
+        return [items]
+    out: list[list[tuple[str, bytes]]] = [[]]
+    size = 0
+    for item in items:
+        if out[-1] and size + len(item[1]) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += len(item[1])
+    return out
 
 
 def _nothing() -> None:

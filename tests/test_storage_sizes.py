@@ -1,0 +1,114 @@
+"""Large calls to a healthy store (found by an attack on L3): one store call moves at most
+what the store moves within half its deadline, so a long stored prefix or a large
+write-through batch is never timed out, counted unreachable and shut off by the breaker
+for every other request; and write-through waiting for a store that cannot keep up is
+bounded (the rest is dropped, counted), so memory and `close()` stay bounded.
+
+The tiny model's pages are 13 KB: the store's assumed rate (`RATE_FLOOR`) is scaled down
+with them, and a real Valkey is reached through a proxy that moves about 400 KB/s."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_engine import rand_tokens
+from test_storage_slow import P, TrickleProxy
+from tiny_model import tiny_model
+
+import shadowradix.tiers.storage_tier as storage_tier
+from shadowradix import CacheConfig, Engine
+from shadowradix.model.fingerprint import model_fingerprint
+from shadowradix.tiers.storage import RedisBackend
+from shadowradix.tiers.storage_tier import StorageTier
+
+DEADLINE = 0.5
+PAGES = 40  # 517 KB of objects: over a second through the proxy
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def slow(redis_server, monkeypatch):
+    """A proxy to the test's Valkey moving 8 KB every 20 ms (about 400 KB/s), and a
+    store rate assumed at 200 KB/s (calls of 50 KB at a 0.5 s deadline)."""
+    monkeypatch.setattr(storage_tier, "RATE_FLOOR", 200_000, raising=False)
+    proxy = TrickleProxy(redis_server.port, chunk=8192, interval=0.02)
+    yield proxy
+    proxy.close()
+
+
+def stored_prompt(model, redis_server) -> tuple[Engine, np.ndarray]:
+    eng = Engine.from_hf(model, CacheConfig(page_size=16, device_tokens=4096,
+                                            storage=redis_server.url))
+    tokens = rand_tokens(PAGES * 16 + 3, 60)
+    eng.generate([tokens], P)
+    eng.storage.drain()
+    return eng, np.asarray(tokens, dtype=np.int32)
+
+
+def tier_over(eng: Engine, model, proxy: TrickleProxy) -> StorageTier:
+    return StorageTier(RedisBackend(proxy.url, timeout_s=DEADLINE), eng._prefix,
+                       model_fingerprint(model))
+
+
+def test_a_long_stored_prefix_is_read_in_part_and_never_shuts_the_store_off(
+        model, redis_server, slow) -> None:
+    eng, tokens = stored_prompt(model, redis_server)
+    tier = tier_over(eng, model, slow)
+    empty = np.zeros((len(eng.layout.pool_names), 0), dtype=np.int32)
+    slow.down = "trickle"
+    first = tier.prefetch(tokens, empty, PAGES).result()
+    assert 0 < first.pages < PAGES  # as much as one call moves within its deadline
+    assert tier.backend.errors["unreachable"] == 0, tier.backend.errors
+    # Another request's read right after is served, not skipped by an open breaker.
+    again = tier.prefetch(tokens, empty, first.pages).result()
+    assert again.pages == first.pages
+    assert tier.errors == 0, tier.error_counts
+    assert tier.rate > storage_tier.RATE_FLOOR  # it learnt the store is faster than that
+    tier.close()
+    eng.close()
+
+
+def test_a_large_write_through_batch_goes_in_calls_each_within_the_deadline(
+        model, redis_server, slow) -> None:
+    eng, _ = stored_prompt(model, redis_server)
+    tier = tier_over(eng, model, slow)
+    names = eng.layout.pool_names
+    slow.up = "trickle"
+    tokens = np.asarray(rand_tokens(PAGES * 16, 61), dtype=np.int32)
+    t0 = time.monotonic()
+    tier.save(tokens, 0, PAGES, {n: np.arange(PAGES) for n in names}, eng._prefix.tensor)
+    tier.drain()
+    assert tier.errors == 0, tier.error_counts
+    assert tier.bytes_written == PAGES * sum(eng.layout.page_bytes().values())
+    assert time.monotonic() - t0 > DEADLINE  # it did take longer than one deadline
+    slow.up = "fast"
+    empty = np.zeros((len(names), 0), dtype=np.int32)
+    assert tier.prefetch(tokens, empty, 2).result().pages == 2
+    tier.close()
+    eng.close()
+
+
+def test_write_through_to_a_stalled_store_is_bounded_and_close_is_prompt(
+        model, redis_server, slow) -> None:
+    eng, _ = stored_prompt(model, redis_server)
+    tier = tier_over(eng, model, slow)
+    names = eng.layout.pool_names
+    slow.up = "stall"
+    batch = 4  # 52 KB a save; the backlog holds 8 calls of 50 KB
+    for i in range(30):
+        tokens = np.asarray(rand_tokens(batch * 16, 100 + i), dtype=np.int32)
+        tier.save(tokens, 0, batch, {n: np.arange(batch) for n in names},
+                  eng._prefix.tensor)
+    assert tier.faults["write_dropped"] >= (30 - 9) * batch * len(names)
+    assert tier._backlog <= tier.backlog_bytes + batch * 12928
+    t0 = time.monotonic()
+    tier.close()
+    assert time.monotonic() - t0 < 9 * DEADLINE + 2.0  # at most the backlog's deadlines
+    assert tier._backlog == 0
+    eng.close()
