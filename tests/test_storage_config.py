@@ -115,3 +115,24 @@ def test_a_timeout_option_that_is_not_seconds_is_refused(option):
         open_storage(url)
     CacheConfig(page_size=16, device_tokens=256,
                 storage="redis://127.0.0.1:1/0?socket_timeout=2.5")
+
+
+def test_a_replica_cut_off_from_its_master_at_open_is_unreachable_not_refused(redis_server,
+                                                                            caplog):
+    """A server that answers MASTERDOWN (a replica whose master is gone, serving no stale
+    data) may answer later: it is logged and counted as down, not a ValueError."""
+    import redis
+    from redis_server import free_port
+
+    admin = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    admin.config_set("replica-serve-stale-data", "no")
+    admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # nobody there
+    try:
+        with caplog.at_level(logging.WARNING, logger="shadowradix.storage"):
+            rs = open_storage(redis_server.url)
+        assert rs.errors["unreachable"] == 1, rs.errors
+        assert "unreachable at open" in caplog.text
+        rs.close()
+    finally:
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+        admin.close()

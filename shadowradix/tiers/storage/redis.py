@@ -46,6 +46,19 @@ from shadowradix.tiers.storage.redis_common import (
 REPLY_OPTIONS = ("decode_responses", "encoding", "encoding_errors")
 
 
+# Error replies of a server that may answer later (a replica cut off from its master, a
+# busy script, a cluster still forming): at open, the server counts as unreachable.
+TRANSIENT_REPLIES = frozenset({"MASTERDOWN", "LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN"})
+
+
+def transient_reply(e: BaseException) -> bool:
+    """Whether `e` is an error reply of a server that may answer later (TRANSIENT_REPLIES:
+    redis-py names some by class and drops their code from the message)."""
+    import redis.exceptions as errors
+
+    return isinstance(e, errors.ClusterDownError | errors.TryAgainError) or (
+        str(e).split(" ", 1)[0] in TRANSIENT_REPLIES)
+
 # Options in seconds: redis-py takes any float and fails on each call with one it cannot
 # use (inf, -1), which would read as a server's bad replies.
 SECONDS_OPTIONS = ("socket_timeout", "socket_connect_timeout")
@@ -136,16 +149,16 @@ class RedisBackend(StorageBackend):
                 raise ValueError(f"the server at {redact(url)} refused the RESP3 handshake "
                                  f"({e}); a server older than Redis 6 needs ?protocol=2 in "
                                  f"the URL") from None
+            if transient_reply(e):  # it may answer later
+                self._unreachable_at_open(url, e)
+                return
             # It refused what the URL sets up (a DB index it does not have, a client name
             # with a space): retrying would never do better.
             self._client.close()
             raise ValueError(f"the server at {redact(url)} refused this URL's connection "
                              f"setup ({e}); check the DB index and the options") from None
         except unreachable_errors() as e:
-            self.errors["unreachable"] += 1
-            self.breaker.failed()
-            log.warning("storage %s unreachable at open (%s); reads miss and writes fail "
-                        "until it answers", redact(url), e)
+            self._unreachable_at_open(url, e)
         except TypeError as e:
             if "unexpected keyword argument" not in str(e):
                 raise
@@ -154,6 +167,12 @@ class RedisBackend(StorageBackend):
                              f"({e})") from None
         except Exception as e:  # it answered, with nothing redis-py could read
             self._guarded.bad_reply(e)
+
+    def _unreachable_at_open(self, url: str, e: BaseException) -> None:
+        self.errors["unreachable"] += 1
+        self.breaker.failed()
+        log.warning("storage %s unreachable at open (%s); reads miss and writes fail "
+                    "until it answers", redact(url), e)
 
     def _drop_connections(self) -> None:
         """Close the idle connections (the one that read a bad reply is among them: its
