@@ -103,7 +103,8 @@ def test_a_url_whose_setup_the_server_refuses_is_a_value_error(redis_server, set
 
 @pytest.mark.parametrize("option", ["socket_timeout=-1", "socket_timeout=inf",
                                     "socket_connect_timeout=0", "socket_timeout=nan",
-                                    "socket_timeout=soon"])
+                                    "socket_timeout=soon", "socket_timeout=1e10",
+                                    "socket_connect_timeout=1e308"])
 def test_a_timeout_option_that_is_not_seconds_is_refused(option):
     """Before, `?socket_timeout=-1` (or inf) was taken, and every call then failed in
     redis-py, counted as the server's bad replies."""

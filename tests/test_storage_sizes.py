@@ -17,10 +17,9 @@ from test_engine import rand_tokens
 from test_storage_slow import P, TrickleProxy
 from tiny_model import tiny_model
 
-import shadowradix.tiers.storage_tier as storage_tier
 from shadowradix import CacheConfig, Engine
 from shadowradix.model.fingerprint import model_fingerprint
-from shadowradix.tiers.storage import RedisBackend
+from shadowradix.tiers.storage import RedisBackend, pace
 from shadowradix.tiers.storage_tier import StorageTier
 
 DEADLINE = 0.5
@@ -36,7 +35,7 @@ def model():
 def slow(redis_server, monkeypatch):
     """A proxy to the test's Valkey moving 8 KB every 20 ms (about 400 KB/s), and a
     store rate assumed at 200 KB/s (calls of 50 KB at a 0.5 s deadline)."""
-    monkeypatch.setattr(storage_tier, "RATE_FLOOR", 200_000, raising=False)
+    monkeypatch.setattr(pace, "RATE_FLOOR", 200_000)
     proxy = TrickleProxy(redis_server.port, chunk=8192, interval=0.02)
     yield proxy
     proxy.close()
@@ -51,8 +50,8 @@ def stored_prompt(model, redis_server) -> tuple[Engine, np.ndarray]:
     return eng, np.asarray(tokens, dtype=np.int32)
 
 
-def tier_over(eng: Engine, model, proxy: TrickleProxy) -> StorageTier:
-    return StorageTier(RedisBackend(proxy.url, timeout_s=DEADLINE), eng._prefix,
+def tier_over(eng: Engine, model, proxy: TrickleProxy, **kw) -> StorageTier:
+    return StorageTier(RedisBackend(proxy.url, timeout_s=DEADLINE, **kw), eng._prefix,
                        model_fingerprint(model))
 
 
@@ -69,7 +68,7 @@ def test_a_long_stored_prefix_is_read_in_part_and_never_shuts_the_store_off(
     again = tier.prefetch(tokens, empty, first.pages).result()
     assert again.pages == first.pages
     assert tier.errors == 0, tier.error_counts
-    assert tier.rate > storage_tier.RATE_FLOOR  # it learnt the store is faster than that
+    assert tier.rate > pace.RATE_FLOOR  # it learnt the store is faster than that
     tier.close()
     eng.close()
 
@@ -106,9 +105,63 @@ def test_write_through_to_a_stalled_store_is_bounded_and_close_is_prompt(
         tier.save(tokens, 0, batch, {n: np.arange(batch) for n in names},
                   eng._prefix.tensor)
     assert tier.faults["write_dropped"] >= (30 - 9) * batch * len(names)
-    assert tier._backlog <= tier.backlog_bytes + batch * 12928
+    assert tier.backlog.bytes <= tier.backlog_bytes + batch * 12928
     t0 = time.monotonic()
     tier.close()
     assert time.monotonic() - t0 < 9 * DEADLINE + 2.0  # at most the backlog's deadlines
-    assert tier._backlog == 0
+    assert tier.backlog.bytes == 0
+    eng.close()
+
+
+def test_the_pace_falls_back_when_the_store_slows_and_rises_when_it_is_fast(
+        model, redis_server, slow) -> None:
+    """A rate learnt while the store was fast is dropped at the first timeout (before, it
+    never came down: every later long read timed out); and a store many times faster than
+    the rate raises it (before, a call that fast never counted)."""
+    eng, tokens = stored_prompt(model, redis_server)
+    tier = tier_over(eng, model, slow, backoff_s=0.05)
+    empty = np.zeros((len(eng.layout.pool_names), 0), dtype=np.int32)
+    got = [tier.prefetch(tokens, empty, PAGES).result().pages for _ in range(6)]
+    assert got[-1] == PAGES and got[0] < PAGES, got  # fast: it learnt to read it all
+    assert tier.rate > 10 * pace.RATE_FLOOR
+    slow.down = "trickle"  # about 400 KB/s
+    first = tier.prefetch(tokens, empty, PAGES).result()
+    assert first.pages == 0 and tier.backend.errors["unreachable"] == 1  # timed out
+    assert tier.rate == pace.RATE_FLOOR
+    time.sleep(0.1)  # the breaker's back-off
+    again = [tier.prefetch(tokens, empty, PAGES).result().pages for _ in range(3)]
+    assert all(0 < n < PAGES for n in again), again
+    assert tier.backend.errors["unreachable"] == 1, tier.backend.errors
+    tier.close()
+    eng.close()
+
+
+def test_a_save_whose_submission_fails_after_queueing_gives_its_room_back_once(
+        model, redis_server, slow, monkeypatch) -> None:
+    """The executor queues a work item before it starts its thread: a save that raised
+    there still runs later. Its room in the backlog goes back once (before: twice, and
+    the backlog went negative)."""
+    import concurrent.futures.thread as cft
+
+    eng, _ = stored_prompt(model, redis_server)
+    tier = tier_over(eng, model, slow)
+    names = eng.layout.pool_names
+    real = cft.ThreadPoolExecutor._adjust_thread_count
+    fail = {"n": 1}
+
+    def adjust(self):
+        if fail["n"]:
+            fail["n"] -= 1
+            raise RuntimeError("can't start new thread")
+        return real(self)
+
+    monkeypatch.setattr(cft.ThreadPoolExecutor, "_adjust_thread_count", adjust)
+    tokens = np.asarray(rand_tokens(64, 70), dtype=np.int32)
+    with pytest.raises(RuntimeError, match="new thread"):
+        tier.save(tokens, 0, 4, {n: np.arange(4) for n in names}, eng._prefix.tensor)
+    assert tier.backlog.bytes == 0
+    tier.save(tokens, 0, 4, {n: np.arange(4) for n in names}, eng._prefix.tensor)
+    tier.drain()
+    assert tier.backlog.bytes == 0
+    tier.close()
     eng.close()

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from shadowradix.tiers.prefix_cache import PrefixCache
-from shadowradix.tiers.storage import deadline
+from shadowradix.tiers.storage import deadline, pace
 from shadowradix.tiers.storage.backend import StorageBackend
 from shadowradix.tiers.storage.keys import namespace, object_key, page_hashes
 from shadowradix.tiers.storage.redis import RedisBackend
@@ -46,13 +46,9 @@ T = TypeVar("T")
 CONCURRENT = (RedisBackend, RedisClusterBackend)  # safe to call from both threads at once
 READ_SLACK_S = 0.5  # scheduling slack past the backend's deadline before a read is given up
 NO_DEADLINE_WAIT_S = 10.0  # how long a read may keep its request waiting without a deadline
-# One call to a store with a deadline moves at most CALL_SHARE of the deadline's worth of
-# bytes at the rate the store has shown (never taken below RATE_FLOOR bytes/s): a healthy
-# store is never timed out (and shut off by its breaker) for a large prefix or batch.
-RATE_FLOOR = 256 << 20
-CALL_SHARE = 0.5
-# Write-through waiting for the store: at most this many calls' worth of bytes (or
-# BACKLOG_BYTES without a deadline); past it a batch is dropped, counted "write_dropped".
+# Write-through waiting for the store: at most this many calls' worth of bytes (see
+# storage/pace.py), or BACKLOG_BYTES without a deadline; past it a batch is dropped,
+# counted "write_dropped".
 BACKLOG_CALLS = 8
 BACKLOG_BYTES = 1 << 30
 
@@ -102,30 +98,46 @@ class StorageTier:
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="shadowradix-storage-write")
         self._serial = None if isinstance(backend, CONCURRENT) else threading.Lock()
         self._stream: Any = None  # CUDA pools: the copy stream of write-through (lazily)
-        self.rate = float(RATE_FLOOR)  # bytes/s the store has shown (see `call_bytes`)
-        self._backlog = 0  # bytes of write-through submitted and not yet stored
-        self._backlog_lock = threading.Lock()
+        # What one call may move, reads and writes apart (storage/pace.py).
+        self.read_pace, self.write_pace = pace.Pace(), pace.Pace()
+        self.backlog = pace.Backlog()  # write-through not yet stored
 
     @property
-    def call_bytes(self) -> int | None:
-        """The most bytes one store call moves (None: a backend without a deadline, no
-        limit): CALL_SHARE of the deadline at the rate the store has shown. A read past
-        it resumes at the deepest point within it; a write is split into such calls."""
+    def rate(self) -> float:
+        """Bytes/s the store has shown on reads (see `call_bytes`)."""
+        return self.read_pace.rate
+
+    def call_bytes(self, write: bool = False) -> int | None:
+        """The most bytes one read (or write) call moves; None for a backend without a
+        deadline (no limit). A read past it resumes at the deepest point within it; a write
+        is split into such calls."""
         if self.deadline_s is None:
             return None
-        return int(CALL_SHARE * self.deadline_s * self.rate)
+        return (self.write_pace if write else self.read_pace).call_bytes(self.deadline_s)
 
     @property
     def backlog_bytes(self) -> int:
         """The most bytes of write-through that may wait for the store."""
-        calls = self.call_bytes
+        calls = self.call_bytes(write=True)
         return BACKLOG_BYTES if calls is None else BACKLOG_CALLS * calls
 
-    def _moved(self, nbytes: int, seconds: float) -> None:
-        """A call moved `nbytes` in `seconds`: the rate follows what large calls show
-        (small ones measure the round trip, not the rate)."""
-        if self.deadline_s is not None and seconds > 0.1 * self.deadline_s:
-            self.rate = max(float(RATE_FLOOR), 0.5 * self.rate + 0.5 * nbytes / seconds)
+    def _timed(self, write: bool, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)`, a store call of at most `call_bytes(write)`, whose pace it
+        learns from: what it moved, if it moved all it was asked (a successful call
+        returns no False nor None), or that the store timed out."""
+        limit, chosen = self.call_bytes(write), self.write_pace if write else self.read_pace
+        before = self.backend.errors["unreachable"]
+        t0 = time.monotonic()
+        out = call(*args)
+        seconds = time.monotonic() - t0
+        if limit is not None:
+            if self.backend.errors["unreachable"] > before:
+                chosen.timed_out()
+            elif isinstance(out, list) and all(x is not None and x is not False for x in out):
+                moved = sum(len(x) for x in out) if not write else sum(
+                    len(payload) for _, payload in args[0])
+                chosen.moved(moved, seconds, limit)
+        return out
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
         return [object_key(self.namespace, name, hashes[i])
@@ -156,16 +168,14 @@ class StorageTier:
         found = self.backend.batch_exists(self._keys(hashes, done, limit))
         whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.names)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
-        extra, cap = stop - done, self.call_bytes
+        extra, cap = stop - done, self.call_bytes()
         if cap is not None:  # what one call moves within its deadline (see `call_bytes`)
             extra = min(extra, max(1, cap // sum(self.page_bytes[n] for n in self.names)))
         q = self.rule.deepest_after(table, extra)
         if q <= done:
             return empty
         sizes = [self.page_bytes[name] for _ in range(done, q) for name in self.names]
-        t0 = time.monotonic()
-        blobs = self.backend.batch_get(self._keys(hashes, done, q), sizes)
-        seconds = time.monotonic() - t0
+        blobs = self._timed(False, self.backend.batch_get, self._keys(hashes, done, q), sizes)
         intact: list[bytes] = []
         for blob, size in zip(blobs, sizes, strict=True):
             if blob is None:
@@ -175,7 +185,6 @@ class StorageTier:
                 return empty
             intact.append(blob)
         self.bytes_read += sum(sizes)
-        self._moved(sum(sizes), seconds)
         return Fetched(done, q, intact)
 
     def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
@@ -208,14 +217,11 @@ class StorageTier:
         if hi <= lo:
             return
         nbytes = (hi - lo) * sum(self.page_bytes[n] for n in self.names)
-        with self._backlog_lock:  # a store that cannot keep up: drop, never queue for ever
-            full = self._backlog > 0 and self._backlog + nbytes > self.backlog_bytes
-            if not full:
-                self._backlog += nbytes
-        if full:
+        ticket = self.backlog.take(nbytes, self.backlog_bytes)
+        if ticket is None:  # a store that cannot keep up: drop, never queue for ever
             self.faults["write_dropped"] += (hi - lo) * len(self.names)
             log.warning("storage write-through of %d pages dropped: %d bytes still wait "
-                        "for the store", hi - lo, self._backlog)
+                        "for the store", hi - lo, self.backlog.bytes)
             return
         try:
             hashes = page_hashes(tokens[:hi * self.page_size], self.page_size)
@@ -225,17 +231,13 @@ class StorageTier:
                        for k in range(len(keys))]
             if sources and sources[0].is_cuda:
                 staged, copied = self._stage(sources)
-                self._writes.submit(self._store_staged, keys, staged, copied, nbytes)
+                self._writes.submit(self._store_staged, keys, staged, copied, ticket)
             else:
                 self._writes.submit(self._store, list(zip(keys, map(_payload, sources),
-                                                          strict=True)), nbytes)
-        except BaseException:  # nothing queued: it waits for nothing
-            self._stored(nbytes)
+                                                          strict=True)), ticket)
+        except BaseException:  # queued or not (see Ticket), it holds no room any more
+            ticket.release()
             raise
-
-    def _stored(self, nbytes: int) -> None:
-        with self._backlog_lock:
-            self._backlog -= nbytes
 
     def _stage(self, sources: list[Any]) -> tuple[list[Any], Any]:
         """Device -> pinned host copies on this tier's own stream, after the KV written so
@@ -259,38 +261,35 @@ class StorageTier:
         return staged, copied
 
     def _store_staged(self, keys: list[str], staged: list[Any], copied: Any,
-                      nbytes: int) -> None:
+                      ticket: pace.Ticket) -> None:
         try:
             copied.synchronize()  # on the write thread: the scheduler never waits for it
             items = list(zip(keys, map(_payload, staged), strict=True))
         except Exception:
-            self._stored(nbytes)
+            ticket.release()
             self._write_failed(len(keys))
             return
-        self._store(items, nbytes)
+        self._store(items, ticket)
 
-    def _store(self, items: list[tuple[str, bytes]], nbytes: int = 0) -> None:
+    def _store(self, items: list[tuple[str, bytes]], ticket: pace.Ticket | None = None) -> None:
         """Write-through on the write thread, whose Futures nobody reads: whatever the
         backend raises is counted and logged here, never lost. In calls of at most
-        `call_bytes`, each within its own deadline; `nbytes` leaves the backlog after."""
+        `call_bytes`, each within its own deadline; the backlog `ticket` is released after."""
         try:
-            for batch in _batches(items, self.call_bytes):
+            for batch in _batches(items, self.call_bytes(write=True)):
                 self._store_batch(batch)
         finally:
-            self._stored(nbytes)
+            if ticket is not None:
+                ticket.release()
 
     def _store_batch(self, items: list[tuple[str, bytes]]) -> None:
         try:
-            t0 = time.monotonic()
-            ok = self._call(self.backend.batch_set, items)
-            seconds = time.monotonic() - t0
+            ok = self._call(self._timed, True, self.backend.batch_set, items)
             written = sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
         except Exception:
             self._write_failed(len(items))
             return
         self.bytes_written += written
-        if all(ok):
-            self._moved(written, seconds)
 
     def _write_failed(self, n: int) -> None:
         self.faults["write_failed"] += n

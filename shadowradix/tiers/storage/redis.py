@@ -62,11 +62,12 @@ def transient_reply(e: BaseException) -> bool:
 # Options in seconds: redis-py takes any float and fails on each call with one it cannot
 # use (inf, -1), which would read as a server's bad replies.
 SECONDS_OPTIONS = ("socket_timeout", "socket_connect_timeout")
+MAX_SECONDS = 86400  # a day: past ~9.2e9 s a socket cannot take it (time_t)
 
 
 def check_url_options(url: str) -> None:
     """ValueError naming each query option of `url` that REPLY_OPTIONS refuses, or one in
-    seconds (SECONDS_OPTIONS) that is not a finite number > 0."""
+    seconds (SECONDS_OPTIONS) that is not a number > 0 and at most MAX_SECONDS."""
     query = parse_qs(urlsplit(url).query)
     refused = [name for name in query if name in REPLY_OPTIONS]
     if refused:
@@ -79,9 +80,9 @@ def check_url_options(url: str) -> None:
                 seconds = float(value)
             except ValueError:
                 seconds = math.nan
-            if not (math.isfinite(seconds) and seconds > 0):
+            if not 0 < seconds <= MAX_SECONDS:  # (nan compares False)
                 raise ValueError(f"{redact(url)}: the URL option {name} must be a number of "
-                                 f"seconds > 0, got {value!r}")
+                                 f"seconds > 0 and at most {MAX_SECONDS}, got {value!r}")
 
 
 class _NoResp3(Exception):
