@@ -410,6 +410,47 @@ def test_a_fault_in_a_landings_unlock_does_not_pin_its_prefix_for_good(monkeypat
     assert all(p.used_pages == 0 for p in cache.host_pools.values())
 
 
+def test_a_fault_as_a_landings_unlock_is_called_does_not_pin_its_prefix(monkeypatch):
+    """The same, with the fault as `PrefixCache.unlock` is called (none of it ran, so the
+    cache had not recorded the unlock either): the landing's lock is transient, expired
+    before the call, and the cache's next operation releases it."""
+    cache, host, _, manager = arena_host("write_through", frames=30, host_pages=60)
+    tokens = np.random.default_rng(7).integers(0, 50, 17).astype(np.int32)
+    serve_chat(manager, tokens[:8])
+    fail_at(monkeypatch, PrefixCache, "unlock", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        host.land(tokens, 2, 4, write=lambda pages: None)
+    monkeypatch.undo()
+    assert any(n.full_lock for n in cache.tree.nodes())  # held, by nobody
+    manager.flush_device()
+    cache.flush(HOST)
+    assert all(n.full_lock == 0 for n in cache.tree.nodes())
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+    assert all(p.used_pages == 0 for p in cache.host_pools.values())
+
+
+def test_a_transient_lock_is_kept_while_its_owner_runs(monkeypatch):
+    """The cache's operations inside the landing (its host allocation) leave its lock be."""
+    cache, host, _, manager = arena_host("write_through", frames=30, host_pages=60)
+    tokens = np.random.default_rng(7).integers(0, 50, 17).astype(np.int32)
+    serve_chat(manager, tokens[:8])
+    locked = []
+    real = PrefixCache.alloc
+
+    def alloc(self, need, tier=0, room=None):
+        got = real(self, need, tier, room)
+        locked.append(sum(n.full_lock for n in self.tree.nodes()))
+        return got
+
+    monkeypatch.setattr(PrefixCache, "alloc", alloc)
+    assert host.land(tokens, 2, 4, write=lambda pages: None)
+    monkeypatch.undo()
+    assert locked and all(k > 0 for k in locked)
+    assert all(n.full_lock == 0 for n in cache.tree.nodes())
+    assert not cache._transient
+    manager.check_integrity()
+
+
 def test_a_fault_halfway_through_forgetting_leaves_no_dead_leaf(monkeypatch):
     """A failed spill's pages were being forgotten node by node; a fault at the second
     left the first node resident nowhere, and no later recover, eviction or flush removed

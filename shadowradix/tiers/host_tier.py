@@ -314,7 +314,9 @@ class HostTier:
         peek = cache.match(tokens)
         if peek.prefix_len // ps != start:
             return False  # the tiers changed while storage answered
-        handle = cache.lock(peek)  # host eviction must not take the prefix we attach to
+        # Host eviction must not take the prefix we attach to; transient: should the
+        # unlock below fault as it is called, the cache's next operation releases it.
+        handle = cache.lock(peek, transient=True)
         try:
             got = cache.alloc({n: stop - start for n in self.names}, HOST)
             if got is None:
@@ -334,6 +336,7 @@ class HostTier:
                 raise
             return True
         finally:
+            handle.expired = True
             cache.unlock(handle)
 
     # ------------------------------------------------------------ write-back

@@ -147,6 +147,7 @@ class PrefixCache:
         self.tree.sink_walks = True
         self._unreleased: list[Any] = self.tree.stranded
         self._unlocking: list[LockHandle] = []  # unlocks under way (see `unlock`)
+        self._transient: list[LockHandle] = []  # locks of one call (see `lock`)
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
         self.allocs = 0
         self.release_errors = 0  # page ids a queued release dropped: see `_drop_freed`
@@ -187,9 +188,17 @@ class PrefixCache:
         """A match without side effects (see ShadowRadix.peek)."""
         return self.tree.peek(tokens)
 
-    def lock(self, target: MatchResult | InsertResult) -> LockHandle:
-        """Lock the prefix a match returned, or the one an insert just stored."""
-        return self.tree.lock(target.node)
+    def lock(self, target: MatchResult | InsertResult, *,
+             transient: bool = False) -> LockHandle:
+        """Lock the prefix a match returned, or the one an insert just stored. A
+        `transient` lock (one call's, as an L3 landing's) the cache also remembers: once
+        its owner sets `handle.expired` (before it unlocks), the cache's next operation
+        releases it if the unlock did not, so a fault as the unlock is called (nothing of
+        it ran, nobody retries it) never pins the prefix for good."""
+        handle = self.tree.lock(target.node)
+        if transient:
+            self._transient.append(handle)
+        return handle
 
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock; a node it leaves an unlocked leaf with no resume point (a failed
@@ -197,7 +206,14 @@ class PrefixCache:
         self._unlocking.append(handle)  # a fault in the unlock: `_mend` finishes it
         self.tree.unlock(handle)
         self._unlocking.remove(handle)
+        self._forget_transient(handle)
         self.prune(handle.node)
+
+    def _forget_transient(self, handle: LockHandle) -> None:
+        for i, held in enumerate(self._transient):  # by identity: handles compare by value
+            if held is handle:
+                del self._transient[i]
+                return
 
     def prune(self, node: Node) -> None:
         """Drop `node` (and ancestors) while it is an unlocked leaf no tier can resume
@@ -644,7 +660,8 @@ class PrefixCache:
         """Finish what a fault cut short twice (the change, then its mending): the tree's
         derived state (`repair`), the dead leaves a walk left (`sweep`, its pages queued
         to be freed); and unlocks a fault cut short (a lock nobody would retry, as a
-        landing's, would pin its pages for good). Run where an operation starts (match,
+        landing's, would pin its pages for good), and transient locks whose owner is done
+        with them but whose unlock never ran. Run where an operation starts (match,
         alloc, evict, check_integrity), never inside a hand-over: a running request's new
         leaf, not locked yet, has no resume point."""
         tree = self.tree
@@ -652,6 +669,10 @@ class PrefixCache:
             tree.repair()
         if tree.needs_sweep:
             tree.sweep()  # queued in `_unreleased` as it begins (sink_walks)
+        for handle in [h for h in self._transient if h.expired or h.released]:
+            self._forget_transient(handle)  # its owner is done: an unlock that never ran
+            if not handle.released:
+                self._unlocking.append(handle)
         while self._unlocking:  # unlocks a fault cut short (whoever asked may retry too)
             handle = self._unlocking[0]
             if not handle.released:

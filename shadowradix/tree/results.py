@@ -188,3 +188,6 @@ class LockHandle:
     # Where a lock or unlock walk a fault cut short got to: the first page of the last
     # node it did (None: none); it resumes above it.
     done_from: int | None = None
+    # Its owner is done with it: set before the unlock, so that a fault as the unlock is
+    # called leaves it to the cache (PrefixCache.lock(transient=True)).
+    expired: bool = False
