@@ -392,32 +392,18 @@ def test_an_unlock_a_fault_cut_short_resumes_where_it_stopped(monkeypatch):
     manager.check_integrity()
 
 
-def test_a_fault_in_a_landings_unlock_does_not_pin_its_prefix_for_good(monkeypatch):
+@pytest.mark.parametrize("owner", [ShadowRadix, PrefixCache])
+def test_a_fault_in_a_landings_unlock_does_not_pin_its_prefix_for_good(monkeypatch, owner):
     """`HostTier.land` unlocks the prefix it attached to in a `finally`; that handle is no
     request's, so a fault there was retried by nobody and the prefix stayed locked (its
-    pages never evictable). The cache's next operation finishes the unlock."""
+    pages never evictable). The cache's next operation finishes the unlock. With the fault
+    as `PrefixCache.unlock` is called (none of it ran, so the cache had not recorded the
+    unlock either), the landing's lock is transient, expired before the call, and the
+    cache's next operation releases it."""
     cache, host, _, manager = arena_host("write_through", frames=30, host_pages=60)
     tokens = np.random.default_rng(7).integers(0, 50, 17).astype(np.int32)
     serve_chat(manager, tokens[:8])
-    fail_at(monkeypatch, ShadowRadix, "unlock", 1, KeyboardInterrupt)
-    with pytest.raises(KeyboardInterrupt):
-        host.land(tokens, 2, 4, write=lambda pages: None)
-    monkeypatch.undo()
-    manager.flush_device()
-    cache.flush(HOST)
-    assert all(n.full_lock == 0 for n in cache.tree.nodes())
-    assert all(p.used_pages == 0 for p in cache.pools.values())
-    assert all(p.used_pages == 0 for p in cache.host_pools.values())
-
-
-def test_a_fault_as_a_landings_unlock_is_called_does_not_pin_its_prefix(monkeypatch):
-    """The same, with the fault as `PrefixCache.unlock` is called (none of it ran, so the
-    cache had not recorded the unlock either): the landing's lock is transient, expired
-    before the call, and the cache's next operation releases it."""
-    cache, host, _, manager = arena_host("write_through", frames=30, host_pages=60)
-    tokens = np.random.default_rng(7).integers(0, 50, 17).astype(np.int32)
-    serve_chat(manager, tokens[:8])
-    fail_at(monkeypatch, PrefixCache, "unlock", 1, KeyboardInterrupt)
+    fail_at(monkeypatch, owner, "unlock", 1, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         host.land(tokens, 2, 4, write=lambda pages: None)
     monkeypatch.undo()

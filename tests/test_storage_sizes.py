@@ -50,15 +50,33 @@ def stored_prompt(model, redis_server) -> tuple[Engine, np.ndarray]:
     return eng, np.asarray(tokens, dtype=np.int32)
 
 
+def save(tier: StorageTier, eng: Engine, pages: int, seed: int) -> np.ndarray:
+    """Write-through of `pages` pages of new tokens (the engine's first pages' bytes)."""
+    tokens = np.asarray(rand_tokens(pages * 16, seed), dtype=np.int32)
+    tier.save(tokens, 0, pages, {n: np.arange(pages) for n in eng.layout.pool_names},
+              eng._prefix.tensor)
+    return tokens
+
+
 def tier_over(eng: Engine, model, proxy: TrickleProxy, **kw) -> StorageTier:
     return StorageTier(RedisBackend(proxy.url, timeout_s=DEADLINE, **kw), eng._prefix,
                        model_fingerprint(model))
 
 
-def test_a_long_stored_prefix_is_read_in_part_and_never_shuts_the_store_off(
-        model, redis_server, slow) -> None:
+@pytest.fixture
+def stored(model, redis_server, slow):
+    """An engine that stored a prompt of PAGES pages, and a tier over the slow proxy to the
+    same store; both closed after the test."""
     eng, tokens = stored_prompt(model, redis_server)
     tier = tier_over(eng, model, slow)
+    yield eng, tier, tokens
+    tier.close()
+    eng.close()
+
+
+def test_a_long_stored_prefix_is_read_in_part_and_never_shuts_the_store_off(
+        stored, slow) -> None:
+    eng, tier, tokens = stored
     empty = np.zeros((len(eng.layout.pool_names), 0), dtype=np.int32)
     slow.down = "trickle"
     first = tier.prefetch(tokens, empty, PAGES).result()
@@ -69,48 +87,36 @@ def test_a_long_stored_prefix_is_read_in_part_and_never_shuts_the_store_off(
     assert again.pages == first.pages
     assert tier.errors == 0, tier.error_counts
     assert tier.rate > pace.RATE_FLOOR  # it learnt the store is faster than that
-    tier.close()
-    eng.close()
 
 
 def test_a_large_write_through_batch_goes_in_calls_each_within_the_deadline(
-        model, redis_server, slow) -> None:
-    eng, _ = stored_prompt(model, redis_server)
-    tier = tier_over(eng, model, slow)
-    names = eng.layout.pool_names
+        stored, slow) -> None:
+    eng, tier, _ = stored
     slow.up = "trickle"
-    tokens = np.asarray(rand_tokens(PAGES * 16, 61), dtype=np.int32)
     t0 = time.monotonic()
-    tier.save(tokens, 0, PAGES, {n: np.arange(PAGES) for n in names}, eng._prefix.tensor)
+    tokens = save(tier, eng, PAGES, 61)
     tier.drain()
     assert tier.errors == 0, tier.error_counts
     assert tier.bytes_written == PAGES * sum(eng.layout.page_bytes().values())
     assert time.monotonic() - t0 > DEADLINE  # it did take longer than one deadline
     slow.up = "fast"
-    empty = np.zeros((len(names), 0), dtype=np.int32)
+    empty = np.zeros((len(eng.layout.pool_names), 0), dtype=np.int32)
     assert tier.prefetch(tokens, empty, 2).result().pages == 2
-    tier.close()
-    eng.close()
 
 
 def test_write_through_to_a_stalled_store_is_bounded_and_close_is_prompt(
-        model, redis_server, slow) -> None:
-    eng, _ = stored_prompt(model, redis_server)
-    tier = tier_over(eng, model, slow)
-    names = eng.layout.pool_names
+        stored, slow) -> None:
+    eng, tier, _ = stored
     slow.up = "stall"
     batch = 4  # 52 KB a save; the backlog holds 8 calls of 50 KB
     for i in range(30):
-        tokens = np.asarray(rand_tokens(batch * 16, 100 + i), dtype=np.int32)
-        tier.save(tokens, 0, batch, {n: np.arange(batch) for n in names},
-                  eng._prefix.tensor)
-    assert tier.faults["write_dropped"] >= (30 - 9) * batch * len(names)
+        save(tier, eng, batch, 100 + i)
+    assert tier.faults["write_dropped"] >= (30 - 9) * batch * len(eng.layout.pool_names)
     assert tier.backlog.bytes <= tier.backlog_bytes + batch * 12928
     t0 = time.monotonic()
     tier.close()
     assert time.monotonic() - t0 < 9 * DEADLINE + 2.0  # at most the backlog's deadlines
     assert tier.backlog.bytes == 0
-    eng.close()
 
 
 def test_the_pace_falls_back_when_the_store_slows_and_rises_when_it_is_fast(
@@ -137,15 +143,13 @@ def test_the_pace_falls_back_when_the_store_slows_and_rises_when_it_is_fast(
 
 
 def test_a_save_whose_submission_fails_after_queueing_gives_its_room_back_once(
-        model, redis_server, slow, monkeypatch) -> None:
+        stored, monkeypatch) -> None:
     """The executor queues a work item before it starts its thread: a save that raised
     there still runs later. Its room in the backlog goes back once (before: twice, and
     the backlog went negative)."""
     import concurrent.futures.thread as cft
 
-    eng, _ = stored_prompt(model, redis_server)
-    tier = tier_over(eng, model, slow)
-    names = eng.layout.pool_names
+    eng, tier, _ = stored
     real = cft.ThreadPoolExecutor._adjust_thread_count
     fail = {"n": 1}
 
@@ -156,12 +160,9 @@ def test_a_save_whose_submission_fails_after_queueing_gives_its_room_back_once(
         return real(self)
 
     monkeypatch.setattr(cft.ThreadPoolExecutor, "_adjust_thread_count", adjust)
-    tokens = np.asarray(rand_tokens(64, 70), dtype=np.int32)
     with pytest.raises(RuntimeError, match="new thread"):
-        tier.save(tokens, 0, 4, {n: np.arange(4) for n in names}, eng._prefix.tensor)
+        save(tier, eng, 4, 70)
     assert tier.backlog.bytes == 0
-    tier.save(tokens, 0, 4, {n: np.arange(4) for n in names}, eng._prefix.tensor)
+    save(tier, eng, 4, 70)
     tier.drain()
     assert tier.backlog.bytes == 0
-    tier.close()
-    eng.close()
