@@ -13,12 +13,15 @@ import time
 
 import numpy as np
 import pytest
+from helpers import tiny_layout
 from test_engine import rand_tokens
 from test_storage_slow import P, TrickleProxy
 from tiny_model import tiny_model
 
 from shadowradix import CacheConfig, Engine
+from shadowradix.layout.spec import Retention
 from shadowradix.model.fingerprint import model_fingerprint
+from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.storage import RedisBackend, pace
 from shadowradix.tiers.storage_tier import StorageTier
 
@@ -125,19 +128,22 @@ def test_the_pace_falls_back_when_the_store_slows_and_rises_when_it_is_fast(
     never came down: every later long read timed out); and a store many times faster than
     the rate raises it (before, a call that fast never counted)."""
     eng, tokens = stored_prompt(model, redis_server)
-    tier = tier_over(eng, model, slow, backoff_s=0.05)
+    tier = tier_over(eng, model, slow)
     empty = np.zeros((len(eng.layout.pool_names), 0), dtype=np.int32)
-    got = [tier.prefetch(tokens, empty, PAGES).result().pages for _ in range(6)]
+    got = [tier.prefetch(tokens, empty, PAGES).result().pages for _ in range(12)]
     assert got[-1] == PAGES and got[0] < PAGES, got  # fast: it learnt to read it all
     assert tier.rate > 10 * pace.RATE_FLOOR
     slow.down = "trickle"  # about 400 KB/s
     first = tier.prefetch(tokens, empty, PAGES).result()
     assert first.pages == 0 and tier.backend.errors["unreachable"] == 1  # timed out
     assert tier.rate == pace.RATE_FLOOR
-    time.sleep(0.1)  # the breaker's back-off
+    # A call larger than the floor's timing out is no sign of a dead store: the breaker
+    # stays closed, and the reads right after ask for less (before: the store was shut
+    # off for the breaker's back-off, 5 s, every read skipped).
     again = [tier.prefetch(tokens, empty, PAGES).result().pages for _ in range(3)]
     assert all(0 < n < PAGES for n in again), again
     assert tier.backend.errors["unreachable"] == 1, tier.backend.errors
+    assert tier.backend.errors["skipped"] == 0, tier.backend.errors
     tier.close()
     eng.close()
 
@@ -166,3 +172,26 @@ def test_a_save_whose_submission_fails_after_queueing_gives_its_room_back_once(
     save(tier, eng, 4, 70)
     tier.drain()
     assert tier.backlog.bytes == 0
+
+
+def test_a_window_wider_than_a_call_is_read_to_its_nearest_resume_point(redis_server,
+                                                                      monkeypatch) -> None:
+    """A window of 3 pages, calls of 2: a held prefix whose window pages are gone resumes
+    from storage only with 3 stored pages, more than a call; the read takes them (before,
+    it read nothing, ever: no call, so nothing to learn a faster pace from)."""
+    layout = tiny_layout(page_size=4, window=13)
+    cache = PrefixCache(layout, 64, device="cpu")
+    per_page = sum(layout.page_bytes().values())
+    monkeypatch.setattr(pace, "RATE_FLOOR", 2 * 2 * per_page)  # 1 s deadline: 2 pages a call
+    tier = StorageTier(RedisBackend(redis_server.url, timeout_s=1.0), cache, "fp")
+    tokens = np.arange(4 * 12 + 1, dtype=np.int32)
+    tier.save(tokens, 0, 12, {n: np.arange(12) for n in layout.pool_names}, cache.tensor)
+    tier.drain()
+    table = np.full((len(layout.pools), 4), -1, np.int32)
+    for row, spec in enumerate(layout.pools):
+        if spec.retention is Retention.ALL:
+            table[row] = np.arange(4)  # held: every ALL page; the window's are gone
+    got = tier.prefetch(tokens, table, 12).result()
+    assert (got.start, got.stop) == (4, 7), (got.start, got.stop)
+    assert tier.errors == 0, tier.error_counts
+    tier.close()

@@ -47,7 +47,7 @@ CONCURRENT = (RedisBackend, RedisClusterBackend)  # safe to call from both threa
 READ_SLACK_S = 0.5  # scheduling slack past the backend's deadline before a read is given up
 NO_DEADLINE_WAIT_S = 10.0  # how long a read may keep its request waiting without a deadline
 # Write-through waiting for the store: at most this many calls' worth of bytes (see
-# storage/pace.py), or BACKLOG_BYTES without a deadline; past it a batch is dropped,
+# storage/pace.py) and at most BACKLOG_BYTES (but one call); past it a batch is dropped,
 # counted "write_dropped".
 BACKLOG_CALLS = 8
 BACKLOG_BYTES = 1 << 30
@@ -118,25 +118,34 @@ class StorageTier:
     @property
     def backlog_bytes(self) -> int:
         """The most bytes of write-through that may wait for the store."""
-        calls = self.call_bytes(write=True)
-        return BACKLOG_BYTES if calls is None else BACKLOG_CALLS * calls
+        calls = self.call_bytes(write=True)  # at most BACKLOG_BYTES, or one call
+        return BACKLOG_BYTES if calls is None else min(BACKLOG_CALLS * calls,
+                                                       max(BACKLOG_BYTES, calls))
 
     def _timed(self, write: bool, call: Callable[..., T], *args: Any) -> T:
-        """`call(*args)`, a store call of at most `call_bytes(write)`, whose pace it
-        learns from: what it moved, if it moved all it was asked (a successful call
-        returns no False nor None), or that the store timed out."""
+        """`call(*args)`, a store call (a read: keys and sizes; a write: items) of at most
+        `call_bytes(write)`, whose pace it learns from: what it moved, when it moved all
+        it was asked, or that the store timed out on it. A call larger than one at the
+        pace's floor that timed out is no sign of a dead store: the breakers it opened are
+        closed again (see storage/pace.py)."""
         limit, chosen = self.call_bytes(write), self.write_pace if write else self.read_pace
+        closed = [b for b in self.backend.breakers() if not b.is_open]
         before = self.backend.errors["unreachable"]
         t0 = time.monotonic()
         out = call(*args)
         seconds = time.monotonic() - t0
-        if limit is not None:
-            if self.backend.errors["unreachable"] > before:
-                chosen.timed_out()
-            elif isinstance(out, list) and all(x is not None and x is not False for x in out):
-                moved = sum(len(x) for x in out) if not write else sum(
-                    len(payload) for _, payload in args[0])
-                chosen.moved(moved, seconds, limit)
+        if limit is None or self.deadline_s is None:
+            return out
+        asked = sum(len(p) for _, p in args[0]) if write else sum(args[1])
+        if isinstance(out, list) and all(x is not None and x is not False for x in out):
+            chosen.moved(asked, seconds, limit)
+        elif self.backend.errors["unreachable"] > before:  # (a concurrent call's, maybe)
+            chosen.timed_out()
+            if chosen.beyond_floor(asked, self.deadline_s):
+                log.info("storage %s of %d bytes timed out: asking for less", "write"
+                         if write else "read", asked)
+                for breaker in closed:
+                    breaker.succeeded()
         return out
 
     def _keys(self, hashes: list[bytes], lo: int, hi: int) -> list[str]:
@@ -168,10 +177,7 @@ class StorageTier:
         found = self.backend.batch_exists(self._keys(hashes, done, limit))
         whole = np.asarray(found, dtype=bool).reshape(limit - done, len(self.names)).all(axis=1)
         stop = done + (int(np.argmin(whole)) if not whole.all() else limit - done)
-        extra, cap = stop - done, self.call_bytes()
-        if cap is not None:  # what one call moves within its deadline (see `call_bytes`)
-            extra = min(extra, max(1, cap // sum(self.page_bytes[n] for n in self.names)))
-        q = self.rule.deepest_after(table, extra)
+        q = self._within_call(table, stop - done)
         if q <= done:
             return empty
         sizes = [self.page_bytes[name] for _ in range(done, q) for name in self.names]
@@ -186,6 +192,20 @@ class StorageTier:
             intact.append(blob)
         self.bytes_read += sum(sizes)
         return Fetched(done, q, intact)
+
+    def _within_call(self, table: np.ndarray, extra: int) -> int:
+        """The deepest resume point past `table` with up to `extra` stored pages that one
+        read call moves (`call_bytes`); where none is within it (a window wider than a
+        call), the nearest beyond it."""
+        cap = self.call_bytes()
+        if cap is None:
+            return self.rule.deepest_after(table, extra)
+        fit = min(extra, max(1, cap // sum(self.page_bytes[n] for n in self.names)))
+        q, done = self.rule.deepest_after(table, fit), table.shape[1]
+        while q <= done and fit < extra:
+            fit += 1
+            q = self.rule.deepest_after(table, fit)
+        return q
 
     def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
               tensor: Callable[[str], Any]) -> None:

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 
+from shadowradix.tiers.storage.breaker import CircuitBreaker
 from shadowradix.tiers.storage.codec import Codec, CorruptObject
 
 
@@ -45,6 +46,10 @@ class StorageBackend(ABC):
             self.errors["wrong_size"] += 1  # intact, but not a page of this layout
             return None
         return payload
+
+    def breakers(self) -> list[CircuitBreaker]:
+        """The circuit breakers of its endpoints (none for a store without one)."""
+        return []
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:

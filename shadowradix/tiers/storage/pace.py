@@ -2,11 +2,14 @@
 
 A store with a call deadline (deadline.py) is asked, in one call, for at most what it moves
 in CALL_SHARE of the deadline, at the rate it has shown in that direction (reads and writes
-apart: a store may be fast one way and slow the other). The rate starts at RATE_FLOOR,
+apart: a store may be fast one way and slow the other). The rate starts at RATE_FLOOR and
 follows what calls of at least half the size limit show (a smaller call measures the round
-trip more than the rate), and falls back to the floor when a call times out, so a store
-that slows down is asked for less at once. A store slower than the floor is shut off by
-its breaker, as a stalled one.
+trip more than the rate), growing at most GROWTH times a call; it falls back to the floor
+when a call times out, so a store that slows down, or whose link others now share, is
+asked for less at once. A call larger than the floor's that timed out is no sign of a
+dead store: the storage tier closes the breakers it opened (StorageTier._timed), and only a
+call of the floor's size, timing out, shuts the store off. A store slower than the floor is
+shut off by its breaker, as a stalled one.
 
 Write-through waits in a bounded backlog: a batch that would take it past its limit is
 dropped (the store is a cache), so memory and the wait of `close()` stay bounded.
@@ -18,6 +21,8 @@ import threading
 
 RATE_FLOOR = 256 << 20  # bytes/s: the slowest store taken as healthy
 CALL_SHARE = 0.5  # of the deadline one call may spend moving bytes
+GROWTH = 1.5  # the most the rate grows from one call's measure
+MAX_CALL_BYTES = 1 << 32  # whatever the deadline and rate
 
 
 class Pace:
@@ -29,12 +34,16 @@ class Pace:
 
     def call_bytes(self, deadline_s: float) -> int:
         """The most bytes one call may move within `deadline_s`."""
-        return int(CALL_SHARE * deadline_s * self.rate)
+        return int(min(CALL_SHARE * deadline_s * self.rate, MAX_CALL_BYTES))
+
+    def beyond_floor(self, nbytes: int, deadline_s: float) -> bool:
+        """Whether a call of `nbytes` asks for more than one at the floor's rate would."""
+        return nbytes > CALL_SHARE * deadline_s * self.floor
 
     def moved(self, nbytes: int, seconds: float, limit: int) -> None:
         """A call moved `nbytes` in `seconds` under a size limit of `limit` bytes."""
         if seconds > 0 and nbytes >= limit / 2:
-            self.rate = max(self.floor, (self.rate + nbytes / seconds) / 2)
+            self.rate = max(self.floor, min(nbytes / seconds, GROWTH * self.rate))
 
     def timed_out(self) -> None:
         """A call ran past its deadline: ask for no more than the floor allows."""

@@ -169,6 +169,9 @@ class RedisBackend(StorageBackend):
         except Exception as e:  # it answered, with nothing redis-py could read
             self._guarded.bad_reply(e)
 
+    def breakers(self) -> list[CircuitBreaker]:
+        return [self.breaker]
+
     def _unreachable_at_open(self, url: str, e: BaseException) -> None:
         self.errors["unreachable"] += 1
         self.breaker.failed()

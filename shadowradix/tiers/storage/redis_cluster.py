@@ -366,6 +366,9 @@ class RedisClusterBackend(StorageBackend):
                 self._pool = ThreadPoolExecutor(8, thread_name_prefix="shadowradix-cluster")
             return self._pool
 
+    def breakers(self) -> list[CircuitBreaker]:
+        return [guard.breaker for guard in list(self._guards.values())]
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         out = [False] * len(keys)
 
