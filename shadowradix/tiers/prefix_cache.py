@@ -671,7 +671,7 @@ class PrefixCache:
             tree.sweep()  # queued in `_unreleased` as it begins (sink_walks)
         for handle in [h for h in self._transient if h.expired or h.released]:
             self._forget_transient(handle)  # its owner is done: an unlock that never ran
-            if not handle.released:
+            if not handle.released and not any(h is handle for h in self._unlocking):
                 self._unlocking.append(handle)
         while self._unlocking:  # unlocks a fault cut short (whoever asked may retry too)
             handle = self._unlocking[0]
