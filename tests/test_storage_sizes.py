@@ -13,13 +13,12 @@ import time
 
 import numpy as np
 import pytest
-from helpers import tiny_layout
 from test_engine import rand_tokens
 from test_storage_slow import P, TrickleProxy
 from tiny_model import tiny_model
 
 from shadowradix import CacheConfig, Engine
-from shadowradix.layout.spec import Retention
+from shadowradix.layout.spec import KVLayout, PoolSpec, Retention
 from shadowradix.model.fingerprint import model_fingerprint
 from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.storage import RedisBackend, pace
@@ -174,24 +173,50 @@ def test_a_save_whose_submission_fails_after_queueing_gives_its_room_back_once(
     assert tier.backlog.bytes == 0
 
 
-def test_a_window_wider_than_a_call_is_read_to_its_nearest_resume_point(redis_server,
-                                                                      monkeypatch) -> None:
-    """A window of 3 pages, calls of 2: a held prefix whose window pages are gone resumes
-    from storage only with 3 stored pages, more than a call; the read takes them (before,
-    it read nothing, ever: no call, so nothing to learn a faster pace from)."""
-    layout = tiny_layout(page_size=4, window=13)
+def window_store(url: str, monkeypatch) -> tuple[PrefixCache, np.ndarray, np.ndarray]:
+    """A window of 3 pages (page 4), calls of 2 pages at the pace's floor (deadline 0.5 s):
+    12 pages stored at `url`, and a held table of the first 4 whose window pages are gone
+    (it resumes from storage only with 3 stored pages, more than a call: 240 KB, longer
+    than the deadline through the slow proxy)."""
+    layout = KVLayout("wide-window", (  # tiny_layout's pools, pages of 80 KB
+        PoolSpec("kv", 1, Retention.ALL, (2048,), "float32", 1),
+        PoolSpec("c2", 2, Retention.ALL, (2048,), "float32", 1),
+        PoolSpec("swa", 1, Retention.WINDOW, (2048,), "float32", 1, window=13),
+        PoolSpec("state", None, Retention.CHECKPOINT, (3,), "float32", 1)), 4)
     cache = PrefixCache(layout, 64, device="cpu")
-    per_page = sum(layout.page_bytes().values())
-    monkeypatch.setattr(pace, "RATE_FLOOR", 2 * 2 * per_page)  # 1 s deadline: 2 pages a call
-    tier = StorageTier(RedisBackend(redis_server.url, timeout_s=1.0), cache, "fp")
+    monkeypatch.setattr(pace, "RATE_FLOOR", 2 * 4 * sum(layout.page_bytes().values()))
+    tier = StorageTier(RedisBackend(url, timeout_s=DEADLINE), cache, "fp")
     tokens = np.arange(4 * 12 + 1, dtype=np.int32)
     tier.save(tokens, 0, 12, {n: np.arange(12) for n in layout.pool_names}, cache.tensor)
-    tier.drain()
+    tier.close()
     table = np.full((len(layout.pools), 4), -1, np.int32)
     for row, spec in enumerate(layout.pools):
         if spec.retention is Retention.ALL:
             table[row] = np.arange(4)  # held: every ALL page; the window's are gone
+    return cache, tokens, table
+
+
+def test_a_window_wider_than_a_call_is_read_to_its_nearest_resume_point(redis_server,
+                                                                      monkeypatch) -> None:
+    """The read takes the 3 pages (before, it read nothing, ever: no call, so nothing to
+    learn a faster pace from)."""
+    cache, tokens, table = window_store(redis_server.url, monkeypatch)
+    tier = StorageTier(RedisBackend(redis_server.url, timeout_s=DEADLINE), cache, "fp")
     got = tier.prefetch(tokens, table, 12).result()
     assert (got.start, got.stop) == (4, 7), (got.start, got.stop)
     assert tier.errors == 0, tier.error_counts
+    tier.close()
+
+
+def test_such_a_read_timing_out_at_the_floor_shuts_the_store_off(redis_server, slow,
+                                                                 monkeypatch) -> None:
+    """That read is larger than a call at the floor; timing out, it is no learnt pace's
+    mistake: the breaker opens (a stalled store costs one deadline, not one per read)."""
+    cache, tokens, table = window_store(redis_server.url, monkeypatch)
+    tier = StorageTier(RedisBackend(slow.url, timeout_s=DEADLINE), cache, "fp")
+    slow.down = "trickle"  # the probe passes, the read takes 0.6 s
+    assert tier.prefetch(tokens, table, 12).result().pages == 0
+    assert tier.prefetch(tokens, table, 12).result().pages == 0
+    assert tier.backend.errors["unreachable"] == 1, tier.backend.errors
+    assert tier.backend.errors["skipped"] >= 1, tier.backend.errors
     tier.close()

@@ -126,8 +126,9 @@ class StorageTier:
         """`call(*args)`, a store call (a read: keys and sizes; a write: items) of at most
         `call_bytes(write)`, whose pace it learns from: what it moved, when it moved all
         it was asked, or that the store timed out on it. A call larger than one at the
-        pace's floor that timed out is no sign of a dead store: the breakers it opened are
-        closed again (see storage/pace.py)."""
+        pace's floor, sized by a pace learnt above it, that timed out is no sign of a dead
+        store: the breakers it opened are closed again (see storage/pace.py); the pace is
+        back at the floor, so a second timeout is."""
         limit, chosen = self.call_bytes(write), self.write_pace if write else self.read_pace
         closed = [b for b in self.backend.breakers() if not b.is_open]
         before = self.backend.errors["unreachable"]
@@ -140,8 +141,9 @@ class StorageTier:
         if isinstance(out, list) and all(x is not None and x is not False for x in out):
             chosen.moved(asked, seconds, limit)
         elif self.backend.errors["unreachable"] > before:  # (a concurrent call's, maybe)
+            learnt = chosen.rate > chosen.floor  # (once back at the floor, no second pardon)
             chosen.timed_out()
-            if chosen.beyond_floor(asked, self.deadline_s):
+            if learnt and chosen.beyond_floor(asked, self.deadline_s):
                 log.info("storage %s of %d bytes timed out: asking for less", "write"
                          if write else "read", asked)
                 for breaker in closed:

@@ -6,9 +6,10 @@ apart: a store may be fast one way and slow the other). The rate starts at RATE_
 follows what calls of at least half the size limit show (a smaller call measures the round
 trip more than the rate), growing at most GROWTH times a call; it falls back to the floor
 when a call times out, so a store that slows down, or whose link others now share, is
-asked for less at once. A call larger than the floor's that timed out is no sign of a
-dead store: the storage tier closes the breakers it opened (StorageTier._timed), and only a
-call of the floor's size, timing out, shuts the store off. A store slower than the floor is
+asked for less at once. A call larger than the floor's, sized by a rate learnt above it,
+that timed out is no sign of a dead store: the storage tier closes the breakers it opened
+(StorageTier._timed); the rate is then back at the floor, and a second timeout shuts the
+store off. A store slower than the floor is
 shut off by its breaker, as a stalled one.
 
 Write-through waits in a bounded backlog: a batch that would take it past its limit is
