@@ -35,6 +35,29 @@ def test_double_free_and_bad_ids_are_refused_without_change():
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("kind", ["pages", "arena"])
+@pytest.mark.parametrize("ids", [np.array([True, False]), [True, True], np.array([1.0]),
+                                 np.array([0.5, 1.5])])
+def test_ids_that_are_not_integers_are_refused_without_change(kind, ids):
+    """A mask or floats given to `free`: before, True and 1.0 freed page 1 (and False page
+    0), another owner's pages."""
+    if kind == "pages":
+        pool = PagePool(SPEC, 4, 4)
+    else:
+        from shadowradix.layout import KVLayout
+        from shadowradix.pool.arena import Arena
+
+        layout = KVLayout("one", (SPEC,), 4)
+        pool = Arena(layout, 4 * SPEC.page_bytes(4)).pools()["kv"]
+    got = pool.alloc(4)
+    with pytest.raises(ValueError, match="must be integers"):
+        pool.free(ids)
+    assert pool.free_pages == 0 and pool.in_use(got).all()
+    pool.free(np.empty(0))  # nothing, of any type, frees nothing
+    pool.free(got)
+    pool.check_integrity()
+
+
 def test_metadata_only_pool_sizes_terabytes_without_memory():
     pool = PagePool(SPEC, 256, 50_000_000)  # no storage: only the free list exists
     assert pool.storage is None and pool.alloc(10).size == 10
