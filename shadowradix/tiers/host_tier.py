@@ -36,7 +36,7 @@ import numpy as np
 
 from shadowradix.tiers.prefix_cache import PrefixCache
 from shadowradix.tree.node import PAGE, Node
-from shadowradix.tree.results import MatchResult
+from shadowradix.tree.results import MatchResult, joined
 from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.tier import DEVICE, HOST
 
@@ -295,7 +295,7 @@ class HostTier:
         for pieces in written:
             for name, tier, pages in pieces:
                 parts[tier][rows[name]].append(np.asarray(pages, dtype=PAGE).ravel())
-        return [[np.concatenate(p) if p else np.empty(0, PAGE) for p in tier] for tier in parts]
+        return [[joined(p) for p in tier] for tier in parts]
 
     def _note_dropped(self, freed: dict[str, np.ndarray]) -> None:
         """Device pages that left the tree for a failed copy, for `recover` to report."""

@@ -22,7 +22,14 @@ from shadowradix.pool.arena import Arena, ArenaPool
 from shadowradix.tree.node import Node
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.radix import ShadowRadix
-from shadowradix.tree.results import EvictResult, InsertResult, LockHandle, MatchResult, Peek
+from shadowradix.tree.results import (
+    EvictResult,
+    InsertResult,
+    LockHandle,
+    MatchResult,
+    Peek,
+    joined,
+)
 from shadowradix.tree.spill import SpillRoom
 from shadowradix.tree.stats import TreeStats
 from shadowradix.tree.tier import DEVICE, HOST
@@ -206,14 +213,9 @@ class PrefixCache:
         self._unlocking.append(handle)  # a fault in the unlock: `_mend` finishes it
         self.tree.unlock(handle)
         self._unlocking.remove(handle)
-        self._forget_transient(handle)
+        if handle in self._transient:
+            self._transient.remove(handle)
         self.prune(handle.node)
-
-    def _forget_transient(self, handle: LockHandle) -> None:
-        for i, held in enumerate(self._transient):  # by identity: handles compare by value
-            if held is handle:
-                del self._transient[i]
-                return
 
     def prune(self, node: Node) -> None:
         """Drop `node` (and ancestors) while it is an unlocked leaf no tier can resume
@@ -669,10 +671,11 @@ class PrefixCache:
             tree.repair()
         if tree.needs_sweep:
             tree.sweep()  # queued in `_unreleased` as it begins (sink_walks)
-        for handle in [h for h in self._transient if h.expired or h.released]:
-            self._forget_transient(handle)  # its owner is done: an unlock that never ran
-            if not handle.released and not any(h is handle for h in self._unlocking):
-                self._unlocking.append(handle)
+        if self._transient:  # (one at most, while a landing runs)
+            for handle in [h for h in self._transient if h.expired or h.released]:
+                self._transient.remove(handle)  # its owner is done: an unlock never ran
+                if not handle.released and handle not in self._unlocking:
+                    self._unlocking.append(handle)
         while self._unlocking:  # unlocks a fault cut short (whoever asked may retry too)
             handle = self._unlocking[0]
             if not handle.released:
@@ -686,10 +689,9 @@ class PrefixCache:
         out = []
         for tier, rows in enumerate(freed):
             for row, arrays in enumerate(rows):
-                if arrays:
-                    pages = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-                    if pages.size:
-                        out.append((tier, names[row], pages, True))
+                pages = joined(arrays) if arrays else None
+                if pages is not None and pages.size:
+                    out.append((tier, names[row], pages, True))
         return out
 
     def flush(self, tier: int = DEVICE, room: SpillRoom | None = None) -> None:

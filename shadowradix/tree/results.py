@@ -154,12 +154,12 @@ class EvictResult:
         rows, names = self._walk
         out = []
         for tier in rows:
-            joined = {}
+            by_name = {}
             for name, arrays in zip(names, tier, strict=True):
-                pages = joined[name] = _joined(arrays)
+                pages = by_name[name] = joined(arrays)
                 if len(arrays) > 1:  # joined once: whoever reads the rows again
                     arrays[:] = [pages]
-            out.append(joined)
+            out.append(by_name)
         self._freed_host = out[1] if len(out) > 1 else {}
         self._freed = out[0]
 
@@ -171,16 +171,18 @@ class EvictResult:
                 f"queued={self.queued!r})")
 
 
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+def joined(arrays: list[np.ndarray]) -> np.ndarray:
     """One array of page ids from several (none: empty)."""
     if len(arrays) > 1:
         return np.concatenate(arrays)
     return arrays[0] if arrays else np.empty(0, PAGE)
 
 
-@dataclass
+@dataclass(eq=False)
 class LockHandle:
-    """One lock on the path root..node, with the window and checkpoint just before it."""
+    """One lock on the path root..node, with the window and checkpoint just before it.
+    Two handles are the same only if they are the same object (two locks of one node are
+    two locks)."""
 
     node: Node
     window_pages: int
