@@ -12,6 +12,7 @@ from shadowradix.sim.replay import CountingMover
 from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.host_tier import HostTier
 from shadowradix.tree.eviction import Eviction
+from shadowradix.tree.radix import ShadowRadix
 
 
 def _cache():
@@ -250,3 +251,32 @@ def test_a_second_fault_while_reclaiming_never_gives_a_page_two_owners(monkeypat
     tree_pages = {n: cache.tree.all_pages(n, 0) for n in cache.layout.pool_names}
     for name, pool in cache.pools.items():  # no page the tree holds was freed
         assert pool.in_use(tree_pages[name]).all(), name
+
+
+# A lock of three nodes pins: 1 the deepest node's path, 2 its window, 3 the middle node,
+# 4 the top one; a rollback after a fault at pin 3 pins back 4, 5 (the deepest); after
+# one at 4, it pins back 5, 6 (the deepest) and 7 (the middle: resumed where it stopped).
+@pytest.mark.parametrize("first,second", [(3, 4), (3, 5), (4, 5), (4, 7)])
+def test_a_lock_whose_rollback_faults_too_pins_nothing_for_good(monkeypatch, first, second):
+    """A lock that faults halfway unlocks the nodes it locked; a second fault in that
+    rollback left them locked by a handle nobody holds (their pages never evictable). The
+    cache's next operation finishes the rollback, from where it stopped."""
+    cache = PrefixCache(tiny_layout(4), 16)
+    a = list(range(9))
+    serve(cache, a)
+    serve(cache, a[:4] + list(range(50, 55)))
+    c = a[:8] + list(range(70, 75))
+    serve(cache, c)
+    m = cache.match(c)
+    assert len(list(cache.tree.path(m.node))) == 3
+    fail_at(monkeypatch, ShadowRadix, "_pin", first)  # in the lock walk
+    fail_at(monkeypatch, ShadowRadix, "_pin", second)  # in its rollback
+    with pytest.raises(RuntimeError, match=f"call {second}$"):
+        cache.lock(m)
+    monkeypatch.undo()
+    assert any(n.full_lock for n in cache.tree.nodes())  # held, by nobody
+    cache.check_integrity(held={n: np.empty(0, np.int32) for n in cache.layout.pool_names})
+    assert all(n.full_lock == 0 and not n.window_lock.any() for n in cache.tree.nodes())
+    cache.flush()
+    left = {n: p.used_pages for n, p in cache.pools.items()}
+    assert all(v == 0 for v in left.values()), f"flush left locked pages: {left}"

@@ -661,16 +661,20 @@ class PrefixCache:
     def _mend(self) -> None:
         """Finish what a fault cut short twice (the change, then its mending): the tree's
         derived state (`repair`), the dead leaves a walk left (`sweep`, its pages queued
-        to be freed); and unlocks a fault cut short (a lock nobody would retry, as a
-        landing's, would pin its pages for good), and transient locks whose owner is done
-        with them but whose unlock never ran. Run where an operation starts (match,
-        alloc, evict, check_integrity), never inside a hand-over: a running request's new
-        leaf, not locked yet, has no resume point."""
+        to be freed), the rollback of a failed lock (`finish_rollbacks`); and unlocks a
+        fault cut short (a lock nobody would retry, as a landing's, would pin its pages
+        for good), and transient locks whose owner is done with them but whose unlock
+        never ran. Run where an operation starts (match, alloc, evict, check_integrity),
+        never inside a hand-over: a running request's new leaf, not locked yet, has no
+        resume point."""
         tree = self.tree
         if tree.needs_repair:
             tree.repair()
         if tree.needs_sweep:
             tree.sweep()  # queued in `_unreleased` as it begins (sink_walks)
+        if tree.unwinding:  # a failed lock whose rollback faulted too
+            for node in tree.finish_rollbacks():
+                self.prune(node)
         if self._transient:  # (one at most, while a landing runs)
             for handle in [h for h in self._transient if h.expired or h.released]:
                 self._transient.remove(handle)  # its owner is done: an unlock never ran

@@ -88,6 +88,9 @@ class ShadowRadix(Eviction):
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
         self.needs_repair = False  # a repair after a fault was itself cut short (`repair`)
+        # Locks whose rollback a second fault cut short (`lock`): (handle, floor) for
+        # `finish_rollbacks`, which the cache's next operation runs.
+        self.unwinding: list[tuple[LockHandle, int]] = []
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
         self.lifetime = LooseLifetime()  # read only under policy.adaptive_lifetime
         # Which node holds each device page, for moving them (an arena's compaction): off
@@ -435,9 +438,24 @@ class ShadowRadix(Eviction):
         except BaseException:  # the nodes it locked are unlocked again
             floor, handle.done_from = handle.done_from, None
             if floor is not None:
+                # Nobody holds the handle: a fault in the rollback would pin those nodes
+                # for good, so `finish_rollbacks` resumes it (it starts where it stopped).
+                self.unwinding.append((handle, floor))
                 self._lock_walk(handle, -1, floor=floor)
+                self.unwinding.remove((handle, floor))
             raise
         return handle
+
+    def finish_rollbacks(self) -> list[Node]:
+        """Finish the rollbacks of failed locks that a second fault cut short (see `lock`);
+        the nodes they were for (the caller prunes them, as after an unlock)."""
+        done = []
+        while self.unwinding:
+            handle, floor = self.unwinding[0]
+            self._lock_walk(handle, -1, floor=floor)
+            self.unwinding.pop(0)
+            done.append(handle.node)
+        return done
 
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock taken by `lock`. Raises ValueError when released twice. A fault
