@@ -162,7 +162,9 @@ class Eviction:
             if short > 0:
                 self._tombstone(DEVICE, row, False, -(-short // page_bytes[row]), freed,
                                 None, along if i == 0 else ())
-        self._evict_older(want, lead, freed, got)
+        # Left short, the loose-first pass let go every unlocked loose page of `lead` (it
+        # stops early only once it freed enough): the walk by age has none to look for.
+        self._evict_older(want, lead, freed, got, loose=not loose_rows or lead != loose_rows[0])
         # Pages the walk above did not reach (rows other than the one it walks by).
         for kept in (False, True) if self.policy.tombstones else ():
             for row in counted:
@@ -192,15 +194,17 @@ class Eviction:
             got = self._byte_plans[key] = (counted, loose, along, lead)
         return got
 
-    def _evict_older(self, want: int, lead: int | None, freed: Freed, got: _Tally) -> None:
+    def _evict_older(self, want: int, lead: int | None, freed: Freed, got: _Tally,
+                     loose: bool = True) -> None:
         """Leaves, kept checkpoints and loose pages (those of row `lead`, the short-lived
-        row of the largest pages; None: leaves only), oldest first (a loose page's age
-        stretched), until `want` bytes are freed."""
+        row of the largest pages; None: leaves only; not `loose`: no loose pages), oldest
+        first (a loose page's age stretched), until `want` bytes are freed."""
         if got() >= want:  # the loose pages did it: no walk to start (each pops a head)
             return
         rows = self.short_lived_rows if self.policy.tombstones else []
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
-        kinds = [(lead, False), (lead, True)] if lead is not None else []
+        kinds = [(lead, kept) for kept in ((False, True) if loose else (True,))
+                 if lead is not None]
         walks: list[_Walk] = []  # first on a tie (min keeps the first): loose, kept, leaf
         now = self._clock
 
