@@ -132,7 +132,12 @@ class Engine:
                     arena = Arena(self.layout, self.device_bytes, self.device, names=in_arena,
                                   reserved_bytes=hot)
                 except ValueError as e:
-                    raise ValueError(f"device_bytes={self.device_bytes}: {e}") from None
+                    why = (f"; HiSparse's hot buffers take {hot} bytes of it ({self._hot_sets} "
+                           f"sets of hisparse_buffer={config.hisparse_buffer} entries in "
+                           f"{len(self._csa_layers)} layers, for hisparse_requests="
+                           f"{config.hisparse_requests}): lower those or raise device_bytes"
+                           ) if hot else ""
+                    raise ValueError(f"device_bytes={self.device_bytes}: {e}{why}") from None
             self._prefix = PrefixCache(self.layout, pages, named_policy(config.policy),
                                        device=self.device, host_pages=host_pages,
                                        in_host_memory=resident, arena=arena)
@@ -475,9 +480,9 @@ class Engine:
         if req.kv_version != lease.version:
             table = torch.from_numpy(lease.table.astype(np.int64)).to(self.device)
             kv.page_tables = {name: table[row] for row, name in enumerate(self.layout.pool_names)}
-            req.kv_version = lease.version
             if isinstance(kv.c4, HotSet):  # its buffers forget entries on pages that moved
                 kv.c4.remap(lease.table[self.layout.index("c4")])
+            req.kv_version = lease.version  # last: after a fault, the next step does it all
         return kv
 
     def _decide_all(self, chunks: list[Chunk], logits: list[torch.Tensor],

@@ -176,16 +176,17 @@ class HotSet:
         # with its drafts on a speculative step)
 
     def remap(self, table: np.ndarray) -> None:
-        """The request's C4 page table changed: forget entries on pages that moved."""
-        old, self._table = self._table, np.asarray(table).copy()
-        if old is None:
-            return
-        n = min(old.size, self._table.size)
-        moved = np.flatnonzero(old[:n] != self._table[:n])
-        if not moved.size:
-            return
-        for state in self._layers.values():
-            _forget(state, old[moved], int(moved[0]), self.arena.per_page)
+        """The request's C4 page table changed: forget entries on pages that moved. The
+        new table is taken last: after a fault, the same call again forgets what is left
+        (forgetting is idempotent)."""
+        new, old = np.asarray(table).copy(), self._table
+        if old is not None:
+            n = min(old.size, new.size)
+            moved = np.flatnonzero(old[:n] != new[:n])
+            if moved.size:
+                for state in self._layers.values():
+                    _forget(state, old[moved], int(moved[0]), self.arena.per_page)
+        self._table = new
 
     def forget(self, lo: int, hi: int) -> None:
         """Drop logical entries [lo, hi) wherever they are held: a speculative step wrote
@@ -315,6 +316,6 @@ def _forget(state: _Layer, pages: np.ndarray, first: int, per_page: int) -> None
         return
     gone = np.isin(state.keys // per_page, pages) & (state.keys >= 0)
     for slot in np.flatnonzero(gone):
-        del state.where[int(state.keys[slot])]
+        state.where.pop(int(state.keys[slot]), None)  # (gone already if a fault cut it short)
     state.keys[gone] = -1
     state.stamps[gone] = EMPTY
