@@ -186,7 +186,10 @@ def test_ngram_speculation_with_preemption_in_a_tiny_arena(model):
 # ------------------------------------------------------------- HiSparse
 
 def test_hisparse_with_device_bytes_too_small_for_its_hot_buffers_is_a_clear_error(model):
-    with pytest.raises(ValueError, match="set apart|hot|hisparse"):
+    """The error names what took the bytes and what to change (it said only "besides the
+    N set apart": frames, without the unit, and not what set them apart)."""
+    with pytest.raises(ValueError, match=r"frames \(\d+ bytes\) set apart; HiSparse's hot "
+                       r"buffers take \d+ bytes .*hisparse_requests=64\): lower those"):
         Engine.from_hf(model, CacheConfig(page_size=PS, device_bytes=4 * frame_bytes(model),
                                           hisparse_buffer=64, hisparse_requests=64))
 

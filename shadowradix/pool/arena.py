@@ -158,7 +158,8 @@ class Arena:
         if self.frames < 1:
             raise ValueError(f"an arena of {total_bytes} bytes holds no frame of {fb} bytes "
                              f"(the largest page, aligned)" + (
-                                 f" besides the {self.reserved_frames} set apart"
+                                 f" besides the {self.reserved_frames} frames "
+                                 f"({self.reserved_frames * fb} bytes) set apart"
                                  if self.reserved_frames else ""))
         for name, k in self.plan.per_frame.items():  # before any array is made
             if self.frames * k >= np.iinfo(PAGE_DTYPE).max:

@@ -144,8 +144,9 @@ class StorageTier:
             learnt = chosen.rate > chosen.floor  # (once back at the floor, no second pardon)
             chosen.timed_out()
             if learnt and chosen.beyond_floor(asked, self.deadline_s):
-                log.info("storage %s of %d bytes timed out: asking for less", "write"
-                         if write else "read", asked)
+                log.info("storage %s of %d bytes timed out: asking for less; the store "
+                         "stays in use (not skipped, whatever the warning before says)",
+                         "write" if write else "read", asked)
                 for breaker in closed:
                     breaker.succeeded()
         return out
