@@ -308,3 +308,23 @@ def test_train_tiny_quick_end_to_end(quick_checkpoint):
     assert tok.eos_token_id == 0 and tok.encode(text, add_special_tokens=False) == list(
         text.encode())
     assert tok.decode([*text.encode(), 0], skip_special_tokens=True) == text
+
+
+def test_an_engine_refuses_an_mtp_block_built_for_another_model(trunk):
+    """A block of another hidden size, hc_mult or head_dim, or in another dtype than the
+    trunk, was accepted and failed in the first step with a shape or dtype error."""
+    from shadowradix import CacheConfig, Engine, SpecConfig
+    from shadowradix.model.mtp import cast_block
+    from shadowradix.model.tiny import tiny_config
+
+    def build(block):
+        return Engine.from_hf(trunk, CacheConfig(page_size=16, device_tokens=1024),
+                              speculative=SpecConfig("mtp", 3), mtp=block)
+
+    for other in ({"hidden_size": 32}, {"hc_mult": 4}, {"head_dim": 16}):
+        config = tiny_config(**other)
+        with pytest.raises(ValueError, match="not built for this model's config"):
+            build(MTPBlock(config))
+    with pytest.raises(ValueError, match="bfloat16 on cpu, the model's torch.float32"):
+        build(cast_block(random_mtp(trunk.config), torch.bfloat16))
+    build(random_mtp(trunk.config)).close()  # its own block is taken

@@ -804,7 +804,27 @@ def _mtp_block(spec: SpecConfig | None, mtp: Any, hf_model: Any) -> Any:
     if not isinstance(mtp, MTPBlock) or mtp.layer_idx != hf_model.config.num_hidden_layers:
         raise ValueError(f"mtp must be an MTPBlock built for this model's config, got "
                          f"{type(mtp).__name__}")
+    _check_block(mtp, hf_model)
     return mtp
+
+
+def _check_block(mtp: MTPBlock, hf_model: Any) -> None:
+    """ValueError unless the block's tensors have the shapes a block built for this
+    model's config has (another hidden size, hc_mult or head_dim would fail deep inside
+    the first step), and its projections the trunk's embedding's dtype and device."""
+    with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
+        want = {k: tuple(v.shape) for k, v in MTPBlock(hf_model.config).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in mtp.state_dict().items()}
+    if got != want:
+        name = next((k for k in want if got.get(k) != want[k]), None) or next(iter(got))
+        raise ValueError(f"mtp: the MTP block was not built for this model's config: "
+                         f"{name} is {got.get(name)}, this model's block has {want.get(name)}")
+    embed = hf_model.get_input_embeddings().weight
+    proj = mtp.e_proj.weight
+    if proj.dtype != embed.dtype or proj.device != embed.device:
+        raise ValueError(f"mtp: the MTP block's projections are {proj.dtype} on {proj.device}, "
+                         f"the model's {embed.dtype} on {embed.device}: cast and move the block "
+                         f"as the model (model.mtp.cast_block, .to(device))")
 
 
 def _reads_any(lease: Lease, names: Sequence[str], pages: dict[str, np.ndarray]) -> bool:
