@@ -328,3 +328,7 @@ def test_an_engine_refuses_an_mtp_block_built_for_another_model(trunk):
     with pytest.raises(ValueError, match="bfloat16 on cpu, the model's torch.float32"):
         build(cast_block(random_mtp(trunk.config), torch.bfloat16))
     build(random_mtp(trunk.config)).close()  # its own block is taken
+    for other in ({"sliding_window": 16}, {"rope_theta": 5.0}, {"n_routed_experts": 8}):
+        config = tiny_config(**other)
+        with pytest.raises(ValueError, match="not built for this model's config"):
+            build(MTPBlock(config))

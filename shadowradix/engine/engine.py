@@ -40,7 +40,7 @@ from shadowradix.model.attention import CSA
 from shadowradix.model.compressor import rewind_states
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
-from shadowradix.model.mtp import MTPBlock, load_mtp
+from shadowradix.model.mtp import MTPBlock, load_mtp, mtp_config
 from shadowradix.model.mtp_runner import MTPRunner
 from shadowradix.pool.arena import Arena, arena_bytes
 from shadowradix.sparse import AccessStream
@@ -808,10 +808,21 @@ def _mtp_block(spec: SpecConfig | None, mtp: Any, hf_model: Any) -> Any:
     return mtp
 
 
+# Settings of a DeepSeek-V4 config that change what an MTP block computes without changing
+# its tensors' shapes.
+_BLOCK_SETTINGS = ("sliding_window", "layer_types", "compress_rates", "rope_theta",
+                   "compress_rope_theta", "rope_parameters", "partial_rotary_factor",
+                   "rms_norm_eps", "hc_eps", "hc_sinkhorn_iters", "num_experts_per_tok",
+                   "routed_scaling_factor", "scoring_func", "norm_topk_prob", "swiglu_limit",
+                   "index_topk", "hidden_act")
+
+
 def _check_block(mtp: MTPBlock, hf_model: Any) -> None:
     """ValueError unless the block's tensors have the shapes a block built for this
     model's config has (another hidden size, hc_mult or head_dim would fail deep inside
-    the first step), and its projections the trunk's embedding's dtype and device."""
+    the first step), its config the settings that model's block has (another window
+    would read KV the window pool does not keep), and its projections the trunk's
+    embedding's dtype and device."""
     with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
         want = {k: tuple(v.shape) for k, v in MTPBlock(hf_model.config).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in mtp.state_dict().items()}
@@ -819,6 +830,13 @@ def _check_block(mtp: MTPBlock, hf_model: Any) -> None:
         name = next((k for k in want if got.get(k) != want[k]), None) or next(iter(got))
         raise ValueError(f"mtp: the MTP block was not built for this model's config: "
                          f"{name} is {got.get(name)}, this model's block has {want.get(name)}")
+    ours = mtp_config(hf_model.config)
+    for key in _BLOCK_SETTINGS:  # what the block computes with, beside its tensors' shapes
+        a, b = getattr(mtp.config, key, None), getattr(ours, key, None)
+        if a != b:
+            raise ValueError(f"mtp: the MTP block was not built for this model's config: its "
+                             f"{key} is {a!r}, this model's {b!r} (the drafter would read KV "
+                             f"the pools do not keep, or compute other drafts)")
     embed = hf_model.get_input_embeddings().weight
     proj = mtp.e_proj.weight
     if proj.dtype != embed.dtype or proj.device != embed.device:
