@@ -429,7 +429,8 @@ class ShadowRadix(Eviction):
     def lock(self, node: Node) -> LockHandle:
         """Pin the path root..node (full_lock) and the window and state just before
         node's end (window_lock). Locked shadows are never evicted. A fault halfway
-        locks nothing."""
+        locks nothing; should the rollback fault too, what it left locked waits in
+        `unwinding` for `finish_rollbacks` (PrefixCache runs it at its next operation)."""
         if not node.alive:
             raise ValueError("cannot lock a node that was evicted")
         handle = LockHandle(node, min(self.rule.lock_pages, node.end_page))
