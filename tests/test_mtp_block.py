@@ -325,9 +325,20 @@ def test_an_engine_refuses_an_mtp_block_built_for_another_model(trunk):
         config = tiny_config(**other)
         with pytest.raises(ValueError, match="not built for this model's config"):
             build(MTPBlock(config))
-    with pytest.raises(ValueError, match="bfloat16 on cpu, the model's torch.float32"):
+    with pytest.raises(ValueError, match="bfloat16 on cpu, this model's block has it "
+                                         "torch.float32"):
         build(cast_block(random_mtp(trunk.config), torch.bfloat16))
+    partly = cast_block(random_mtp(trunk.config), torch.bfloat16)
+    partly.e_proj.weight.data = partly.e_proj.weight.data.float()  # the rest still bf16
+    with pytest.raises(ValueError, match="h_proj.weight is torch.bfloat16"):
+        build(partly)
     build(random_mtp(trunk.config)).close()  # its own block is taken
+    import copy  # and a block cast whole beside a trunk cast whole (its norms bf16 too)
+
+    whole = copy.deepcopy(trunk).to(torch.bfloat16)
+    Engine.from_hf(whole, CacheConfig(page_size=16, device_tokens=1024),
+                   speculative=SpecConfig("mtp", 3),
+                   mtp=random_mtp(trunk.config).to(torch.bfloat16)).close()
     for other in ({"sliding_window": 16}, {"rope_theta": 5.0}, {"n_routed_experts": 8}):
         config = tiny_config(**other)
         with pytest.raises(ValueError, match="not built for this model's config"):

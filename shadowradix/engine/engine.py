@@ -40,7 +40,7 @@ from shadowradix.model.attention import CSA
 from shadowradix.model.compressor import rewind_states
 from shadowradix.model.context import RequestKV
 from shadowradix.model.fingerprint import model_fingerprint
-from shadowradix.model.mtp import MTPBlock, load_mtp, mtp_config
+from shadowradix.model.mtp import MTPBlock, load_mtp, mtp_config, part_dtype
 from shadowradix.model.mtp_runner import MTPRunner
 from shadowradix.pool.arena import Arena, arena_bytes
 from shadowradix.sparse import AccessStream
@@ -821,8 +821,8 @@ def _check_block(mtp: MTPBlock, hf_model: Any) -> None:
     """ValueError unless the block's tensors have the shapes a block built for this
     model's config has (another hidden size, hc_mult or head_dim would fail deep inside
     the first step), its config the settings that model's block has (another window
-    would read KV the window pool does not keep), and its projections the trunk's
-    embedding's dtype and device."""
+    would read KV the window pool does not keep), and every parameter the dtype
+    `cast_block` gives it in a model of the trunk's embedding's dtype, on its device."""
     with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
         want = {k: tuple(v.shape) for k, v in MTPBlock(hf_model.config).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in mtp.state_dict().items()}
@@ -838,11 +838,14 @@ def _check_block(mtp: MTPBlock, hf_model: Any) -> None:
                              f"{key} is {a!r}, this model's {b!r} (the drafter would read KV "
                              f"the pools do not keep, or compute other drafts)")
     embed = hf_model.get_input_embeddings().weight
-    proj = mtp.e_proj.weight
-    if proj.dtype != embed.dtype or proj.device != embed.device:
-        raise ValueError(f"mtp: the MTP block's projections are {proj.dtype} on {proj.device}, "
-                         f"the model's {embed.dtype} on {embed.device}: cast and move the block "
-                         f"as the model (model.mtp.cast_block, .to(device))")
+    for name, param in mtp.named_parameters():
+        # A part transformers keeps in float32 may be in the model's dtype too, as after
+        # `model.to(dtype)`, which casts the trunk's own alike.
+        dtype = part_dtype(name, embed.dtype)
+        if param.dtype not in (dtype, embed.dtype) or param.device != embed.device:
+            raise ValueError(f"mtp: the MTP block's {name} is {param.dtype} on {param.device}, "
+                             f"this model's block has it {dtype} on {embed.device}: cast and "
+                             f"move the block as the model (model.mtp.cast_block, .to(device))")
 
 
 def _reads_any(lease: Lease, names: Sequence[str], pages: dict[str, np.ndarray]) -> bool:

@@ -327,9 +327,13 @@ def cast_block(block: MTPBlock, dtype: torch.dtype) -> MTPBlock:
     """Casts the block's parameters to `dtype` in place, except those transformers keeps in
     float32 in a DeepSeek-V4 model (norms, mHC, hc_head, sinks, routing bias). Returns it."""
     for name, param in block.named_parameters():
-        if not _FP32_PARTS.intersection(name.split(".")):
-            param.data = param.data.to(dtype)
+        param.data = param.data.to(part_dtype(name, dtype))
     return block
+
+
+def part_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the block's parameter `name` in a model of `dtype` (`cast_block`)."""
+    return torch.float32 if _FP32_PARTS.intersection(name.split(".")) else dtype
 
 
 def load_mtp(model_dir: str | Path, config: Any, dtype: torch.dtype = torch.float32
