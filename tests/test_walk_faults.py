@@ -282,3 +282,42 @@ def test_a_lock_whose_rollback_faults_too_pins_nothing_for_good(monkeypatch, fir
     cache.flush()
     left = {n: p.used_pages for n, p in cache.pools.items()}
     assert all(v == 0 for v in left.values()), f"flush left locked pages: {left}"
+
+
+def test_a_rollback_left_unfinished_resumes_after_its_target_is_pruned(monkeypatch):
+    """The rollback runs from the locked node up: when it faults, that node is unlocked
+    already, and a running request's new leaf (no resume point) could be pruned before
+    the cache's next operation mended the lock (an abort prunes its tail at once). The
+    mend walked from the removed node, stopped at once, and left its ancestors locked for
+    good. It now resumes at the deepest node the rollback left, which stays locked."""
+    cache = PrefixCache(tiny_layout(4), 32)
+    a = list(range(9))
+    serve(cache, a)
+    serve(cache, a[:4] + list(range(50, 55)))
+    c = a[:8] + list(range(70, 79))  # a running request below them, its leaf unfinished
+    m = cache.match(c)
+    done, full = m.prefix_len // 4, len(c) // 4
+    got = cache.alloc({p.name: full - done for p in cache.layout.pools})
+    own = np.stack([got[p.name] for p in cache.layout.pools]).astype(np.int32)
+    kept = {}
+    for row, p in enumerate(cache.layout.pools):  # it keeps its window and state
+        if p.retention.name != "ALL":
+            own[row] = -1
+            kept[p.name] = got[p.name]
+    result = cache.insert(c, own, done, finished=False)
+    assert len(list(cache.tree.path(result.node))) == 3
+    # The lock pins the leaf (1, 2: its window), the middle (3), the top (4: fault); the
+    # rollback the leaf (5, 6), the middle (7: fault): the top is left locked.
+    fail_at(monkeypatch, ShadowRadix, "_pin", 4)
+    fail_at(monkeypatch, ShadowRadix, "_pin", 7)
+    with pytest.raises(RuntimeError, match="call 7$"):
+        cache.lock(result)
+    monkeypatch.undo()
+    cache.prune(result.node)  # what an abort does with the request's tail
+    assert not result.node.alive
+    cache.free(kept)
+    cache.check_integrity(held={n: np.empty(0, np.int32) for n in cache.layout.pool_names})
+    assert all(n.full_lock == 0 and not n.window_lock.any() for n in cache.tree.nodes())
+    cache.flush()
+    left = {n: p.used_pages for n, p in cache.pools.items()}
+    assert all(v == 0 for v in left.values()), f"flush left locked pages: {left}"

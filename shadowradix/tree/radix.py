@@ -88,9 +88,10 @@ class ShadowRadix(Eviction):
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
         self.needs_repair = False  # a repair after a fault was itself cut short (`repair`)
-        # Locks whose rollback a second fault cut short (`lock`): (handle, floor) for
-        # `finish_rollbacks`, which the cache's next operation runs.
-        self.unwinding: list[tuple[LockHandle, int]] = []
+        # Locks whose rollback a second fault cut short (`lock`): (what is left of it,
+        # floor, the node locked) for `finish_rollbacks`, which the cache's next
+        # operation runs.
+        self.unwinding: list[tuple[LockHandle, int, Node]] = []
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
         self.lifetime = LooseLifetime()  # read only under policy.adaptive_lifetime
         # Which node holds each device page, for moving them (an arena's compaction): off
@@ -439,23 +440,36 @@ class ShadowRadix(Eviction):
         except BaseException:  # the nodes it locked are unlocked again
             floor, handle.done_from = handle.done_from, None
             if floor is not None:
-                # Nobody holds the handle: a fault in the rollback would pin those nodes
-                # for good, so `finish_rollbacks` resumes it (it starts where it stopped).
-                self.unwinding.append((handle, floor))
-                self._lock_walk(handle, -1, floor=floor)
-                self.unwinding.remove((handle, floor))
+                try:
+                    self._lock_walk(handle, -1, floor=floor)
+                except BaseException:
+                    # Nobody holds the handle: what the rollback left locked would stay
+                    # pinned for good. `finish_rollbacks` unlocks it from the deepest node
+                    # left (still locked, so it stays in the tree whatever goes below).
+                    self.unwinding.append((self._rest(handle), floor, node))
+                    raise
             raise
         return handle
 
+    def _rest(self, handle: LockHandle) -> LockHandle:
+        """What an unlock walk of `handle` a fault cut short has not done, as a handle of
+        its own: on the deepest node it left, with the window pages left above it."""
+        node, done_from = handle.node, handle.done_from
+        while done_from is not None and node is not self.root and node.start_page >= done_from:
+            assert node.parent is not None
+            node = node.parent
+        below = handle.node.end_page - node.end_page
+        return LockHandle(node, max(handle.window_pages - below, 0))
+
     def finish_rollbacks(self) -> list[Node]:
         """Finish the rollbacks of failed locks that a second fault cut short (see `lock`);
-        the nodes they were for (the caller prunes them, as after an unlock)."""
+        the nodes they left and were for (the caller prunes them, as after an unlock)."""
         done = []
         while self.unwinding:
-            handle, floor = self.unwinding[0]
-            self._lock_walk(handle, -1, floor=floor)
+            rest, floor, target = self.unwinding[0]
+            self._lock_walk(rest, -1, floor=floor)
             self.unwinding.pop(0)
-            done.append(handle.node)
+            done += [rest.node, target]
         return done
 
     def unlock(self, handle: LockHandle) -> None:
