@@ -321,3 +321,23 @@ def test_a_rollback_left_unfinished_resumes_after_its_target_is_pruned(monkeypat
     cache.flush()
     left = {n: p.used_pages for n, p in cache.pools.items()}
     assert all(v == 0 for v in left.values()), f"flush left locked pages: {left}"
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, MemoryError])
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_fault_between_forgetting_a_leaf_and_recording_its_pages_leaks_nothing(
+        monkeypatch, nth, kind):
+    """A walk unlinks a leaf, then records its pages as let go: a fault in between (an
+    interrupt, or memory running out in the append) lost them for good, with the tree's
+    counts still holding them. What was forgotten and not recorded is recorded when the
+    walk unwinds, and the counts are made again."""
+    cache = _cache()
+    serve(cache, list(range(200, 213)))
+    fail_at(monkeypatch, Eviction, "_record", nth, kind)
+    with pytest.raises(kind):
+        cache.flush()
+    monkeypatch.undo()
+    cache.check_integrity(held={n: np.empty(0, np.int32) for n in cache.layout.pool_names})
+    cache.flush()
+    left = {n: p.used_pages for n, p in cache.pools.items()}
+    assert all(v == 0 for v in left.values()), f"flush left pages: {left}"

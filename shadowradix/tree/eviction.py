@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -44,6 +45,7 @@ def _salvaging(walk: F) -> F:
         except BaseException:
             freed = self._freeing
             if freed is not None:
+                self._unrecorded()
                 if not self.sink_walks:  # as it is: joining it could fault too
                     self.stranded.append(freed)
                 self._freeing = None
@@ -74,6 +76,7 @@ class Eviction:
     _n_nodes: int
     _clock: int
     lifetime: LooseLifetime
+    needs_repair: bool
 
     def _init_eviction(self) -> None:
         """Per tier: leaves, and per short-lived pool the nodes with pages outside /
@@ -90,10 +93,13 @@ class Eviction:
         self.sink_walks = False
         self.needs_sweep = False  # a walk raised and the sweep after it did too
         self._freeing: Freed | None = None  # what the running walk let go so far
+        # A node's pages between its forgetting and their recording (see `_unrecorded`).
+        self._limbo: _Limbo | None = None
         self._byte_plans: dict[tuple[int, ...], Any] = {}  # evict_bytes' rows per budget
 
     def _begin(self, freed: Freed) -> None:
         """A walk starts letting pages go into `freed` (see `_salvaging`)."""
+        self._unrecorded()
         self._freeing = freed
         if self.sink_walks:
             self.stranded.append(freed)
@@ -495,7 +501,9 @@ class Eviction:
         slot = node.slot(tier)
         pages = self._table_pages(slot)
         slot[:] = -1  # forgotten, then recorded (see `_salvaging`)
+        self._limbo = _Limbo([pages] if tier == DEVICE else [[], pages], freed)
         self._record(pages, tier, freed)
+        self._limbo = None
         if node.parent is not None and node.parent is not self.root:
             self._leaves[tier].add(node.parent)
 
@@ -531,12 +539,15 @@ class Eviction:
         assert not node.children and node.full_lock == 0 and node.parent is not None
         pages = [self._table_pages(node.slot(tier)) for tier in range(self.tiers)]
         parent = node.parent
-        del parent.children[node.key(self.page_size)]
+        key = node.key(self.page_size)
+        self._limbo = _Limbo(pages, freed, node, parent, key)  # (see `_unrecorded`)
+        del parent.children[key]
         node.alive = False
         node.parent = None
         self._n_nodes -= 1
         for tier in range(self.tiers):  # unlinked, then recorded (see `_salvaging`)
             self._record(pages[tier], tier, freed)
+        self._limbo = None
         if parent is not self.root:
             for tier in range(self.tiers):
                 if self.tiers > 1 or not parent.children:
@@ -546,6 +557,23 @@ class Eviction:
         """Per pool row, the pages of a node's table of one tier (reads only)."""
         present = slot >= 0
         return [slot[row][present[row]] for row in range(self.n_pools)]
+
+    def _unrecorded(self) -> None:
+        """After a fault: the pages of a node forgotten (unlinked, or its tier's table
+        cleared) but not yet recorded when it struck go to its walk's Freed now (each
+        array once), and the counts are made again (`needs_repair`). A node still linked
+        keeps them. Run by `_salvaging` and, for what a fault in its own sweep left, as
+        the next walk begins."""
+        limbo, self._limbo = self._limbo, None
+        if limbo is None:
+            return
+        if limbo.parent is not None and limbo.parent.children.get(limbo.key) is limbo.node:
+            return  # the fault came before the unlink: the node holds them still
+        for tier, rows in enumerate(limbo.pages):
+            for row, got in enumerate(rows):
+                if got.size and not any(a is got for a in limbo.freed[tier][row]):
+                    limbo.freed[tier][row].append(got)
+        self.needs_repair = True  # a count may have missed them (`_record`)
 
     def _record(self, pages: list[np.ndarray], tier: int, freed: Freed) -> None:
         """Record per-row pages a node no longer holds as let go (the caller cleared or
@@ -689,3 +717,15 @@ class _Row(list[np.ndarray]):
     def append(self, pages: np.ndarray) -> None:
         super().append(pages)
         self.tally.total += pages.size * self.page_bytes
+
+
+@dataclass(slots=True)
+class _Limbo:
+    """A node's pages per tier and row, forgotten (or about to be: unlinked from `parent`
+    under `key`; None: its table cleared already) and not yet recorded."""
+
+    pages: list[list[np.ndarray]]
+    freed: Freed  # the walk's: its owner frees what it holds (see `_salvaging`)
+    node: Node | None = None
+    parent: Node | None = None
+    key: bytes = b""
