@@ -569,6 +569,9 @@ class Eviction:
             return
         if limbo.parent is not None and limbo.parent.children.get(limbo.key) is limbo.node:
             return  # the fault came before the unlink: the node holds them still
+        if limbo.node is not None:  # unlinked: no heap may hand it to a walk again
+            limbo.node.alive = False
+            limbo.node.parent = None
         for tier, rows in enumerate(limbo.pages):
             for row, got in enumerate(rows):
                 if got.size and not any(a is got for a in limbo.freed[tier][row]):
