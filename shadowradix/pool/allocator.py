@@ -24,13 +24,13 @@ def checked_free(name: str, in_use: np.ndarray, pages: np.ndarray) -> np.ndarray
     them free). Raises ValueError on an id out of range or not in use, or ids that are not
     integers (an empty array of any type frees nothing)."""
     given = np.asarray(pages)
-    if given.dtype != PAGE_DTYPE and given.size and given.dtype.kind not in "iu":
-        # A mask (bool) or floats: as ids they would name other pages (True is page 1).
-        raise ValueError(f"pool {name!r}: page ids must be integers, got {given.dtype} in "
-                         f"free()")
-    if given.dtype != PAGE_DTYPE and given.size and (
-            given.min() < 0 or given.max() >= in_use.size):  # before a cast wraps it
-        raise ValueError(f"pool {name!r}: page ids out of range in free()")
+    if given.dtype != PAGE_DTYPE and given.size:
+        if given.dtype.kind not in "iu":
+            # A mask (bool) or floats: as ids they would name other pages (True is page 1).
+            raise ValueError(f"pool {name!r}: page ids must be integers, got {given.dtype} "
+                             f"in free()")
+        if given.min() < 0 or given.max() >= in_use.size:  # before a cast wraps it
+            raise ValueError(f"pool {name!r}: page ids out of range in free()")
     pages = given.astype(PAGE_DTYPE, copy=False).ravel()
     if pages.size == 0:
         return pages

@@ -693,8 +693,8 @@ class PrefixCache:
         out = []
         for tier, rows in enumerate(freed):
             for row, arrays in enumerate(rows):
-                pages = joined(arrays) if arrays else None
-                if pages is not None and pages.size:
+                pages = joined(arrays)
+                if pages.size:
                     out.append((tier, names[row], pages, True))
         return out
 

@@ -122,9 +122,9 @@ class StorageTier:
         return BACKLOG_BYTES if calls is None else min(BACKLOG_CALLS * calls,
                                                        max(BACKLOG_BYTES, calls))
 
-    def _timed(self, write: bool, call: Callable[..., T], *args: Any) -> T:
-        """`call(*args)`, a store call (a read: keys and sizes; a write: items) of at most
-        `call_bytes(write)`, whose pace it learns from: what it moved, when it moved all
+    def _timed(self, write: bool, asked: int, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)`, a store call moving `asked` bytes (at most `call_bytes(write)`),
+        whose pace it learns from: what it moved, when it moved all
         it was asked, or that the store timed out on it. A call larger than one at the
         pace's floor, sized by a pace learnt above it, that timed out is no sign of a dead
         store: the breakers it opened are closed again (see storage/pace.py); the pace is
@@ -137,7 +137,6 @@ class StorageTier:
         seconds = time.monotonic() - t0
         if limit is None or self.deadline_s is None:
             return out
-        asked = sum(len(p) for _, p in args[0]) if write else sum(args[1])
         if isinstance(out, list) and all(x is not None and x is not False for x in out):
             chosen.moved(asked, seconds, limit)
         elif self.backend.errors["unreachable"] > before:  # (a concurrent call's, maybe)
@@ -184,7 +183,8 @@ class StorageTier:
         if q <= done:
             return empty
         sizes = [self.page_bytes[name] for _ in range(done, q) for name in self.names]
-        blobs = self._timed(False, self.backend.batch_get, self._keys(hashes, done, q), sizes)
+        blobs = self._timed(False, sum(sizes), self.backend.batch_get,
+                            self._keys(hashes, done, q), sizes)
         intact: list[bytes] = []
         for blob, size in zip(blobs, sizes, strict=True):
             if blob is None:
@@ -203,12 +203,13 @@ class StorageTier:
         cap = self.call_bytes()
         if cap is None:
             return self.rule.deepest_after(table, extra)
-        fit = min(extra, max(1, cap // sum(self.page_bytes[n] for n in self.names)))
-        q, done = self.rule.deepest_after(table, fit), table.shape[1]
-        while q <= done and fit < extra:
-            fit += 1
-            q = self.rule.deepest_after(table, fit)
-        return q
+        done = table.shape[1]
+        points = self.rule.points_after(table, extra)
+        if not points.size:
+            return done
+        fit = max(1, cap // sum(self.page_bytes[n] for n in self.names))
+        within = points[points <= done + fit]
+        return int(within[-1] if within.size else points[0])
 
     def write(self, fetched: Fetched, pages: Mapping[str, np.ndarray],
               tensor: Callable[[str], Any]) -> None:
@@ -307,7 +308,8 @@ class StorageTier:
 
     def _store_batch(self, items: list[tuple[str, bytes]]) -> None:
         try:
-            ok = self._call(self._timed, True, self.backend.batch_set, items)
+            ok = self._call(self._timed, True, sum(len(p) for _, p in items),
+                            self.backend.batch_set, items)
             written = sum(len(p) for (_, p), good in zip(items, ok, strict=True) if good)
         except Exception:
             self._write_failed(len(items))

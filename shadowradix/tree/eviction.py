@@ -209,8 +209,8 @@ class Eviction:
             return
         rows = self.short_lived_rows if self.policy.tombstones else []
         stretch = self.lifetime.stretch if self.policy.adaptive_lifetime else math.inf
-        kinds = [(lead, kept) for kept in ((False, True) if loose else (True,))
-                 if lead is not None]
+        kinds = [] if lead is None else [(lead, kept) for kept in
+                                         ((False, True) if loose else (True,))]
         walks: list[_Walk] = []  # first on a tie (min keeps the first): loose, kept, leaf
         now = self._clock
 

@@ -59,8 +59,15 @@ class MatchRule:
         held in every pool (what a store holds whole): never less than m."""
         if extra <= 0:
             return table.shape[1]
-        ext = np.concatenate([table, np.zeros((table.shape[0], extra), table.dtype)], axis=1)
-        return max(self.deepest(ext), table.shape[1])
+        return max(self.deepest(_extended(table, extra)), table.shape[1])
+
+    def points_after(self, table: np.ndarray, extra: int) -> np.ndarray:
+        """Every resume point q in (m, m + extra] when, past `table` [rows, m], pages
+        [m, m + extra) are held in every pool (see `deepest_after`), in order."""
+        m = table.shape[1]
+        if extra <= 0:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(self.resumable(_extended(table, extra))[m + 1:]) + m + 1
 
     def resumable(self, pages: np.ndarray) -> np.ndarray:
         """ok[q] for q in 0..m, over a path's page table `pages` [rows, m]."""
@@ -116,3 +123,8 @@ class MatchRule:
         if limit == 0 or not np.count_nonzero(cand):
             return 0
         return limit - int(cand[::-1].argmax())
+
+
+def _extended(table: np.ndarray, extra: int) -> np.ndarray:
+    """`table` [rows, m] with `extra` more pages held in every row."""
+    return np.concatenate([table, np.zeros((table.shape[0], extra), table.dtype)], axis=1)
