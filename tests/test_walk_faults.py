@@ -11,6 +11,7 @@ from helpers import fail_at, serve, tiny_layout
 from shadowradix.sim.replay import CountingMover
 from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tree import eviction as eviction_module
 from shadowradix.tree.eviction import Eviction
 from shadowradix.tree.radix import ShadowRadix
 
@@ -341,3 +342,38 @@ def test_a_fault_between_forgetting_a_leaf_and_recording_its_pages_leaks_nothing
     cache.flush()
     left = {n: p.used_pages for n, p in cache.pools.items()}
     assert all(v == 0 for v in left.values()), f"flush left pages: {left}"
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, MemoryError])
+def test_a_fault_as_a_walk_clears_a_tiers_table_leaks_nothing(monkeypatch, kind):
+    """A device eviction under a host tier drops a node's device table (the node stays for
+    the host): it cleared the table, then noted the pages as forgotten, so a fault in
+    between (an interrupt) lost them for good. They are noted first now, with the table, so
+    whichever side of the clear the fault falls on, each page has one owner."""
+    layout = tiny_layout(4)
+    cache = PrefixCache(layout, 12, host_pages=24)
+    host = HostTier(cache, CountingMover(), "write_through")
+    for i in range(3):
+        serve(cache, list(range(i * 100, i * 100 + 9)))
+    for node in list(cache.tree.nodes()):
+        host.backup(node)
+    calls = [0]
+    real = eviction_module._Limbo
+
+    def limbo(*args, **kwargs):  # the one a tier's table makes (a leaf's names its node)
+        if len(args) < 3 and kwargs.get("node") is None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise kind("injected as the device table is cleared")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eviction_module, "_Limbo", limbo)
+    with pytest.raises(kind):
+        host.flush_device()
+    monkeypatch.undo()
+    assert calls[0] == 1, "no device table was dropped: the repro needs one"
+    cache.check_integrity(held={n: np.empty(0, np.int32) for n in layout.pool_names})
+    host.flush_device()
+    cache.flush()
+    left = {n: p.used_pages for n, p in cache.pools.items()}
+    assert all(v == 0 for v in left.values()), f"flush left device pages: {left}"

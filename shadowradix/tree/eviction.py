@@ -500,8 +500,8 @@ class Eviction:
         """Let every page of one tier of a node go; the node stays for the other tier."""
         slot = node.slot(tier)
         pages = self._table_pages(slot)
-        slot[:] = -1  # forgotten, then recorded (see `_salvaging`)
-        self._limbo = _Limbo([pages] if tier == DEVICE else [[], pages], freed)
+        self._limbo = _Limbo([pages] if tier == DEVICE else [[], pages], freed, table=slot)
+        slot[:] = -1  # forgotten (one numpy call), then recorded (see `_salvaging`)
         self._record(pages, tier, freed)
         self._limbo = None
         if node.parent is not None and node.parent is not self.root:
@@ -569,6 +569,8 @@ class Eviction:
             return
         if limbo.parent is not None and limbo.parent.children.get(limbo.key) is limbo.node:
             return  # the fault came before the unlink: the node holds them still
+        if limbo.table is not None and np.count_nonzero(limbo.table >= 0):
+            return  # the fault came before the table was cleared: it holds them still
         if limbo.node is not None:  # unlinked: no heap may hand it to a walk again
             limbo.node.alive = False
             limbo.node.parent = None
@@ -725,10 +727,11 @@ class _Row(list[np.ndarray]):
 @dataclass(slots=True)
 class _Limbo:
     """A node's pages per tier and row, forgotten (or about to be: unlinked from `parent`
-    under `key`; None: its table cleared already) and not yet recorded."""
+    under `key`, or one tier's `table` cleared) and not yet recorded."""
 
     pages: list[list[np.ndarray]]
     freed: Freed  # the walk's: its owner frees what it holds (see `_salvaging`)
     node: Node | None = None
     parent: Node | None = None
     key: bytes = b""
+    table: np.ndarray | None = None
