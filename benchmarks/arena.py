@@ -19,7 +19,9 @@ within 0.3 points), microseconds per allocation (eviction included) in each mode
 arena's ratio to the fixed pools (#22's target: within 1.2x) and to the byte budget (what
 the frames themselves cost: compaction and frame books), where the arena's microseconds go
 (eviction with the frees it makes, compaction), and the fragmentation the replay left
-(slack: the frames' bytes past their last slot; holes: free slots in frames still held). Ratios come
+(slack: the frames' bytes past their last slot; holes: free slots in frames still held), and
+the tree nodes the eviction walks looked at per allocation (their work: the shared budget's walk
+by age visits about twice the nodes the fixed pools' walks do for the same pages). Ratios come
 from the same run; take them with nothing else running. A machine whose speed drifts
 between replays (a shared host) moves them by 1.5x: `--repeat N` replays each mode N times,
 in turn, and keeps each one's fastest (hit rates do not change between repeats).
@@ -67,7 +69,8 @@ def _run(job: tuple[str, float]) -> dict[str, Any]:
            "seconds": time.perf_counter() - t0, "allocs": cache.allocs,
            "alloc_us": 1e6 * cache.alloc_seconds / max(cache.allocs, 1),
            "evict_seconds": cache.evict_seconds, "compact_seconds": cache.compact_seconds,
-           "evicted_pages": sum(cache.evicted.values()), "moved_pages": sum(cache.moved.values())}
+           "evicted_pages": sum(cache.evicted.values()), "moved_pages": sum(cache.moved.values()),
+           "nodes_visited": cache.tree.nodes_visited()}
     if cache.arena is not None:
         stats = cache.stats()["arena"]
         fb, ps = stats["frame_bytes"], layout.page_size
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{Path(trace).name}")
     for col in ("device GB", "pools %", "bytes %", "arena %", "arena - bytes", "us/alloc pools",
                 "us/alloc bytes", "us/alloc arena", "arena/pools", "arena/bytes",
-                "arena: evict us", "arena: compact us", "slack", "holes"):
+                "arena: evict us", "arena: compact us", "nodes/alloc pools", "nodes/alloc arena",
+                "slack", "holes"):
         table.add_column(col, justify="right")
     goals = {"arena_within_0.3_of_bytes": True, "alloc_within_1.2x_of_pools": True}
     rows = []
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                 for k in ("evict_seconds", "compact_seconds"))
         goals["arena_within_0.3_of_bytes"] &= gap >= -0.3
         goals["alloc_within_1.2x_of_pools"] &= ratio <= 1.2
+        visits = {m: at[m]["nodes_visited"] / max(at[m]["allocs"], 1) for m in MODES}
         slack = arena["slack_bytes"] / arena["arena_bytes"]
         holes = arena["holes_bytes"] / arena["arena_bytes"]
         rows.append({"device_gb": gb, "pools": pools["hit_rate"], "bytes": ideal["hit_rate"],
@@ -127,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                      "alloc_us_pools": pools["alloc_us"], "alloc_us_bytes": ideal["alloc_us"],
                      "alloc_us_arena": arena["alloc_us"], "alloc_ratio": ratio,
                      "alloc_ratio_to_bytes": over_bytes, "arena_evict_us": evict_us,
-                     "arena_compact_us": compact_us, "slack_share": slack,
+                     "arena_compact_us": compact_us, "nodes_per_alloc": visits,
+                     "slack_share": slack,
                      "holes_share": holes})
         table.add_row(f"{gb:g}", f"{100 * pools['hit_rate']:.2f}",
                       f"{100 * ideal['hit_rate']:.2f}", f"{100 * arena['hit_rate']:.2f}",
                       f"{gap:+.2f}", f"{pools['alloc_us']:.0f}", f"{ideal['alloc_us']:.0f}",
                       f"{arena['alloc_us']:.0f}", f"{ratio:.2f}x", f"{over_bytes:.2f}x",
-                      f"{evict_us:.0f}", f"{compact_us:.0f}", f"{slack:.2%}", f"{holes:.2%}")
+                      f"{evict_us:.0f}", f"{compact_us:.0f}", f"{visits['pools']:.1f}",
+                      f"{visits['arena']:.1f}", f"{slack:.2%}", f"{holes:.2%}")
     console.print(table)
     console.print(f"goals: {goals}")
     write_json(args.json, {"trace": trace, "runs": runs, "rows": rows, "goals": goals})

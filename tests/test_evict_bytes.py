@@ -70,3 +70,17 @@ def test_the_newest_resume_points_stay_when_the_oldest_node_covers_the_ask() -> 
     assert m.prefix_len == 3 * layout.page_size  # a loose resume point, still there
     m = tree.match_prefix(old[:3 * layout.page_size] + [1], record=False)
     assert m.prefix_len == 0  # the oldest node's loose points went, window and state
+
+
+def test_nodes_visited_counts_what_the_walks_look_at() -> None:
+    """`nodes_visited` (benchmarks/arena.py's work per allocation) grows by the nodes a
+    walk took from its heaps: none for a walk with nothing to take, one per leaf let go."""
+    tree, _ = _tree(CheckpointPolicy(), pages=2, seqs=3)
+    assert tree.nodes_visited() == 0
+    tree.evict("kv", 0)
+    assert tree.nodes_visited() == 0
+    tree.evict("kv", 1)  # the oldest leaf goes whole
+    assert tree.nodes_visited() == 1
+    tree.evict("kv", 4)  # the other two
+    assert tree.nodes_visited() == 3
+    tree.check_integrity()

@@ -97,6 +97,12 @@ class Eviction:
         self._limbo: _Limbo | None = None
         self._byte_plans: dict[tuple[int, ...], Any] = {}  # evict_bytes' rows per budget
 
+    def nodes_visited(self) -> int:
+        """Nodes the eviction walks have looked at so far (each LRU heap's yields, the
+        locked ones they skip included): their work, for benchmarks."""
+        heaps = [*self._leaves, *(h for t in (*self._loose, *self._kept) for h in t.values())]
+        return sum(h.yielded for h in heaps)
+
     def _begin(self, freed: Freed) -> None:
         """A walk starts letting pages go into `freed` (see `_salvaging`)."""
         self._unrecorded()
