@@ -125,3 +125,38 @@ def fail_at(monkeypatch: Any, owner: object, attr: str, nth: int,
 
     monkeypatch.setattr(owner, attr, failing)
     return calls
+
+
+class LineFault:
+    """An interrupt (or `kind`) raised at the `nth` line (1-based) run in any of `codes`'
+    functions, nested calls into them included, while the `with` block runs: a signal
+    arriving between two statements. `lines` counts the lines run (a run with `nth` 0
+    only counts), `hit` says whether it fired."""
+
+    def __init__(self, codes: Any, nth: int = 0,
+                 kind: type[BaseException] = KeyboardInterrupt) -> None:
+        self.codes = {getattr(c, "__code__", c) for c in codes}
+        self.nth, self.kind = nth, kind
+        self.lines, self.hit = 0, False
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not self.hit:
+            self.lines += 1
+            if self.lines == self.nth:
+                self.hit = True
+                raise self.kind(f"injected at {frame.f_code.co_name}:{frame.f_lineno}")
+        return self._local
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._local if frame.f_code in self.codes else None
+
+    def __enter__(self) -> LineFault:
+        import sys
+
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import sys
+
+        sys.settrace(None)

@@ -95,17 +95,25 @@ class PagePool:
 
     def alloc(self, n: int) -> np.ndarray:
         """Take `n` free pages. Raises PoolExhausted (changing nothing) if fewer are free,
-        ValueError for a count that is not an int >= 0."""
+        ValueError for a count that is not an int >= 0; any other fault, an interrupt too,
+        changes nothing either."""
         n = page_count(self.name, n)
-        if n > self._top:
-            raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, {self._top} free")
-        self._top -= n
-        pages = self._free[self._top:self._top + n][::-1].copy()
-        self._in_use[pages] = True
-        return pages
+        top = self._top
+        if n > top:
+            raise PoolExhausted(f"pool {self.name!r}: asked for {n} pages, {top} free")
+        pages = self._free[top - n:top][::-1].copy()
+        try:  # a fault (an interrupt too) changes nothing
+            self._in_use[pages] = True
+            self._top = top - n
+            return pages
+        except BaseException:
+            self._in_use[pages] = False
+            self._top = top
+            raise
 
     def free(self, pages: np.ndarray) -> None:
-        """Return pages. Raises ValueError (changing nothing) on a page not in use.
+        """Return pages. Raises ValueError (changing nothing) on a page not in use; any
+        other fault, an interrupt too, changes nothing either.
 
         Ids repeated within one call are not detected here (that would cost a
         sort per call); `check_integrity` finds the duplicate in the free list.
@@ -113,9 +121,15 @@ class PagePool:
         pages = checked_free(self.name, self._in_use, pages)
         if pages.size == 0:
             return
-        self._in_use[pages] = False
-        self._free[self._top:self._top + pages.size] = pages
-        self._top += pages.size
+        top = self._top
+        try:  # a fault (an interrupt too) changes nothing
+            self._in_use[pages] = False
+            self._free[top:top + pages.size] = pages
+            self._top = top + pages.size
+        except BaseException:
+            self._in_use[pages] = True
+            self._top = top
+            raise
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
         """Boolean mask: which of `pages` are allocated."""

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from shadowradix.pool.storage import PoolStorage
 
 FREE = -1  # owner of a free frame
+_NONE = np.empty(0, dtype=np.int64)  # no frame (read only)
+_NONE.flags.writeable = False
+_NO_CLAIM = (np.empty(0, PAGE_DTYPE), np.empty(0, PAGE_DTYPE))  # no claim to undo
 MAX_GROWTH = 2.0  # the frame search looks up to this many times the largest page
 
 
@@ -180,17 +183,40 @@ class Arena:
         return self._top
 
     def take(self, n: int, row: int) -> np.ndarray:
-        if n > self._top:
-            raise PoolExhausted(f"arena: asked for {n} frames, {self._top} free")
-        self._top -= n
-        frames = self._free[self._top:self._top + n][::-1].copy()
-        self.owner[frames] = row
-        return frames
+        """`n` free frames for pool row `row`. A fault (an interrupt too) changes nothing."""
+        top = self._top
+        if n > top:
+            raise PoolExhausted(f"arena: asked for {n} frames, {top} free")
+        frames = self._free[top - n:top][::-1].copy()
+        try:
+            self.owner[frames] = row
+            self._top = top - n
+            return frames
+        except BaseException:
+            self.untake(frames, top)
+            raise
+
+    def untake(self, frames: np.ndarray, top: int) -> None:
+        """Undo a `take` of `frames` when the free list's top was `top` (nothing taken or
+        given since)."""
+        self.owner[frames] = FREE
+        self._top = top
 
     def give(self, frames: np.ndarray) -> None:
-        self.owner[frames] = FREE
-        self._free[self._top:self._top + frames.size] = frames
-        self._top += frames.size
+        """Frames back to the free list. A fault (an interrupt too) changes nothing."""
+        top, row = self._top, int(self.owner[frames[0]]) if frames.size else FREE
+        try:
+            self.owner[frames] = FREE
+            self._free[top:top + frames.size] = frames
+            self._top = top + frames.size
+        except BaseException:
+            self.ungive(frames, top, row)
+            raise
+
+    def ungive(self, frames: np.ndarray, top: int, row: int) -> None:
+        """Undo a `give` of pool row `row`'s `frames` when the free list's top was `top`."""
+        self.owner[frames] = row
+        self._top = top
 
     def info(self) -> dict[str, Any]:
         """Its shape: frame bytes, frames, the bytes set apart, pages of each pool a frame."""
@@ -271,8 +297,7 @@ class ArenaPool:
         self._top = 0
         self._gone = np.zeros(arena.frames, dtype=bool)  # scratch: frames going back
         self._offsets = np.arange(self.per_frame, dtype=PAGE_DTYPE)  # a frame's slots
-        # The last claim's slots and the stack before it (see `unclaim`).
-        self._claimed = (np.empty(0, PAGE_DTYPE), np.empty(0, PAGE_DTYPE))
+        self._claimed = _NO_CLAIM  # the last claim's slots and the stack before it (`unclaim`)
         self.used_pages = 0
         self.frames_held = 0
         self.storage: PoolStorage | None = None
@@ -301,7 +326,7 @@ class ArenaPool:
     def alloc(self, n: int) -> np.ndarray:
         """Take `n` pages: free slots of the frames it holds first (the one freed last
         first), then new frames. Raises PoolExhausted (changing nothing) if they do not
-        fit."""
+        fit; any other fault, an interrupt too, changes nothing either."""
         if type(n) is not int or n < 0:
             n = page_count(self.name, n)
         k, top = self.per_frame, self._top
@@ -310,85 +335,120 @@ class ArenaPool:
                                 f"{self.free_pages} free in the arena")
         if n == 0:
             return np.empty(0, PAGE_DTYPE)
-        if n <= top:
-            pages = self._slots[top - n:top][::-1].copy()
-            self._top = top - n
-        elif k == 1:  # a page is a frame: no free slots ever
-            pages = self.arena.take(n, self.row)
-            self.frames_held += n
-        else:  # new frames: a fault there (the only call out) leaves everything as it was
-            fresh = self.arena.take(-(-(n - top) // k), self.row)
-            slots = (fresh[:, None] * k + self._offsets).ravel()
-            pages = np.concatenate((self._slots[:top][::-1], slots[:n - top]))
-            rest = slots[n - top:]  # the last new frame's slots it leaves free
-            self._slots[:rest.size] = rest[::-1]
-            self._top = rest.size
-            self.frames_held += fresh.size
-        self._in_use[pages] = True
-        self.used_pages += n
-        return pages
+        books, arena_top = self._books(), self.arena._top
+        fresh = pages = None
+        try:
+            if n <= top:
+                pages = self._slots[top - n:top][::-1].copy()
+                self._top = top - n
+            else:  # new frames
+                fresh = self.arena.take(-(-(n - top) // k), self.row)
+                if k == 1:  # a page is a frame: no free slots ever
+                    pages = fresh
+                else:
+                    slots = (fresh[:, None] * k + self._offsets).ravel()
+                    pages = np.concatenate((self._slots[:top][::-1], slots[:n - top]))
+                    rest = slots[n - top:]  # the last new frame's slots it leaves free
+                    self._slots[:rest.size] = rest[::-1]
+                    self._top = rest.size
+                self.frames_held = books[2] + fresh.size
+            self._in_use[pages] = True
+            self.used_pages = books[1] + n
+            return pages
+        except BaseException:  # as it was: the stack's slots it took, and the frames
+            if pages is not None:
+                self._in_use[pages] = False
+                if fresh is not None and k > 1:
+                    self._slots[:top] = pages[:top][::-1]
+            self._restore(books)
+            if fresh is not None:
+                self.arena.untake(fresh, arena_top)
+            raise
 
     def free(self, pages: np.ndarray) -> None:
         """Return pages; a frame whose last page goes back returns to the arena. Raises
-        ValueError (changing nothing) on a page not in use."""
+        ValueError (changing nothing) on a page not in use; any other fault, an interrupt
+        too, changes nothing either."""
         pages = checked_free(self.name, self._in_use, pages)
         n = pages.size
         if n == 0:
             return
-        k = self.per_frame
-        if k == 1:  # a page is a frame
-            self.arena.give(pages.copy())  # first: a fault there leaves everything as it was
-            self._in_use[pages] = False
-            self.frames_held -= n
-            self.used_pages -= n
-            return
-        in_use = self._in_use
-        in_use[pages] = False
-        if self._top + n < k:  # fewer free slots than a frame: none goes back
-            self._push(pages)
-        elif n == 1:  # the commonest: one frame to look at
-            frame = pages.item(0) // k
-            if np.count_nonzero(in_use[frame * k:frame * k + k]):
-                self._push(pages)
-            else:
-                self._give_back(pages, pages // k, np.array([frame]))
-        else:
-            frames = pages // k
-            first = np.empty(n, dtype=bool)  # runs of one frame cut to one (a node's
-            first[0] = True                  # pages come in runs)
-            np.not_equal(frames[1:], frames[:-1], out=first[1:])
-            touched = frames[first]
-            left = in_use.reshape(-1, k)[touched].any(axis=1)  # pages in use left in each
-            if np.count_nonzero(left) == left.size:
-                self._push(pages)
-            else:
-                self._give_back(pages, frames, np.unique(touched[~left]))
-        self.used_pages -= n
-
-    def _give_back(self, pages: np.ndarray, frames: np.ndarray, gone: np.ndarray) -> None:
-        """`free` of `pages` (in `frames`, marked free already) emptied frames `gone`:
-        they go back to the arena and their slots leave the stack; the other pages go
-        on it."""
+        books, arena_top, k = self._books(), self.arena._top, self.per_frame
+        stack = gone = None
         try:
-            self.arena.give(gone)
+            if k == 1:  # a page is a frame
+                gone = pages
+                self.arena.give(pages.copy())
+                self._in_use[pages] = False
+            else:
+                self._in_use[pages] = False
+                gone = self._emptied(pages)
+                if gone.size:  # those frames go back; their slots leave the stack
+                    stack = self._slots[:books[0]].copy()
+                    self.arena.give(gone)
+                    self._drop_slots(gone, pages)
+                else:
+                    self._push(pages)
+            self.frames_held = books[2] - gone.size
+            self.used_pages = books[1] - n
         except BaseException:  # as it was
             self._in_use[pages] = True
+            self._restore(books, stack)
+            if gone is not None and gone.size:
+                self.arena.ungive(gone, arena_top, self.row)
             raise
+
+    def _emptied(self, pages: np.ndarray) -> np.ndarray:
+        """The frames `pages` (just marked free) left with no page in use."""
+        k, in_use = self.per_frame, self._in_use
+        n = pages.size
+        if self._top + n < k:  # fewer free slots than a frame: none emptied
+            return _NONE
+        if n == 1:  # the commonest: one frame to look at
+            frame = pages.item(0) // k
+            if np.count_nonzero(in_use[frame * k:frame * k + k]):
+                return _NONE
+            return np.array([frame])
+        frames = pages // k
+        first = np.empty(n, dtype=bool)  # runs of one frame cut to one (a node's pages
+        first[0] = True                  # come in runs)
+        np.not_equal(frames[1:], frames[:-1], out=first[1:])
+        touched = frames[first]
+        left = in_use.reshape(-1, k)[touched].any(axis=1)  # pages in use left in each
+        if np.count_nonzero(left) == left.size:
+            return _NONE
+        return np.unique(touched[~left])
+
+    def _drop_slots(self, gone: np.ndarray, pages: np.ndarray) -> None:
+        """The stack without the slots of frames `gone` (going back to the arena), then
+        `pages` but theirs on top."""
         k, mark = self.per_frame, self._gone
         mark[gone] = True
-        slots = self._slots[:self._top]
-        kept = slots[~mark[slots // k]]
-        rest = pages[~mark[frames]]
-        mark[gone] = False
+        try:
+            slots = self._slots[:self._top]
+            kept = slots[~mark[slots // k]]
+            rest = pages[~mark[pages // k]]
+        finally:
+            mark[gone] = False
         self._top = 0
         self._push(kept)
         self._push(rest)
-        self.frames_held -= gone.size
 
     def _push(self, slots: np.ndarray) -> None:
         top = self._top
         self._slots[top:top + slots.size] = slots
         self._top = top + slots.size
+
+    def _books(self) -> tuple[int, int, int]:
+        """The counts a change cut short restores (see `_restore`)."""
+        return self._top, self.used_pages, self.frames_held
+
+    def _restore(self, books: tuple[int, int, int], stack: np.ndarray | None = None) -> None:
+        """Undo a change a fault cut short: the counts `books` and, given, the stack's
+        slots (`stack`, the first of them)."""
+        if stack is not None:
+            self._slots[:stack.size] = stack
+        self._top, self.used_pages, self.frames_held = books
 
     def _free_per_frame(self, exclude: Collection[int] = (),
                         only: Collection[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -448,15 +508,22 @@ class ArenaPool:
                              f"{fits.size} free slots elsewhere")
         take = fits[np.argsort(at[fits], kind="stable")[:old.size]]
         new = slots[take].copy()
-        self._claimed = (new, slots.copy())  # for `unclaim`
+        stack, books = slots.copy(), self._books()
         left = np.ones(slots.size, dtype=bool)
         left[take] = False
         rest = slots[left]
-        self._slots[:rest.size] = rest
-        self._top = rest.size
-        self._in_use[new] = True
-        self.used_pages += new.size
-        return new
+        try:  # a fault (an interrupt too) changes nothing
+            self._claimed = (new, stack)  # for `unclaim`
+            self._slots[:rest.size] = rest
+            self._top = rest.size
+            self._in_use[new] = True
+            self.used_pages = books[1] + new.size
+            return new
+        except BaseException:
+            self._in_use[new] = False
+            self._restore(books, stack)
+            self._claimed = _NO_CLAIM
+            raise
 
     def unclaim(self, new: np.ndarray) -> None:
         """Undo the last `claim` (it returned `new`; nothing allocated or freed since): its
@@ -469,22 +536,41 @@ class ArenaPool:
                 or stack.size != self._top + claimed.size):
             raise ValueError(f"pool {self.name!r}: unclaim of what the last claim did not "
                              f"return, or after other changes")
-        self._in_use[claimed] = False
-        self._slots[:stack.size] = stack
-        self._top = stack.size
-        self.used_pages -= claimed.size
-        self._claimed = (np.empty(0, PAGE_DTYPE), np.empty(0, PAGE_DTYPE))
+        books, now = self._books(), self._slots[:self._top].copy()
+        try:  # a fault (an interrupt too) changes nothing
+            self._in_use[claimed] = False
+            self._slots[:stack.size] = stack
+            self._top = stack.size
+            self.used_pages = books[1] - claimed.size
+            self._claimed = _NO_CLAIM
+        except BaseException:
+            self._in_use[claimed] = True
+            self._restore(books, now)
+            self._claimed = (claimed, stack)
+            raise
 
     def move(self, old: np.ndarray) -> np.ndarray:
         """`claim` slots for pages in use `old` and free `old`: their new ids, in order.
-        Frames left empty go back to the arena."""
-        new = self.claim(old)
+        Frames left empty go back to the arena. A fault (an interrupt too) changes
+        nothing: `old` keeps its slots."""
+        new = stack = None
         try:
-            self.free(old)
-        except BaseException:  # the claim undone: `old` keeps its slots
-            self.unclaim(new)
+            new = self.claim(old)
+            ids = np.asarray(old, dtype=PAGE_DTYPE).ravel()  # checked by the claim
+            books, stack, arena_top = (self._books(), self._slots[:self._top].copy(),
+                                       self.arena._top)
+            self.free(ids)
+            return new
+        except BaseException:
+            if stack is not None and ids.size and not self._in_use[ids[0]]:
+                gone = np.unique(ids // self.per_frame)  # the free went through: undone
+                gone = gone[self.arena.owner[gone] == FREE]
+                self._in_use[ids] = True
+                self._restore(books, stack)
+                self.arena.ungive(gone, arena_top, self.row)
+            if new is not None:
+                self.unclaim(new)
             raise
-        return new
 
     def in_use(self, pages: np.ndarray) -> np.ndarray:
         return self._in_use[np.asarray(pages, dtype=PAGE_DTYPE)]
