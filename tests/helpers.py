@@ -160,3 +160,33 @@ class LineFault:
         import sys
 
         sys.settrace(None)
+
+
+class CallFault:
+    """`kind` raised at the `nth` call of a builtin named `name` (a list's `append`: memory
+    running out as the list grows) made from `func`'s own code, while the `with` block
+    runs. `hit` says whether it fired."""
+
+    def __init__(self, func: Any, name: str, nth: int = 1,
+                 kind: type[BaseException] = MemoryError) -> None:
+        self.code, self.name, self.nth, self.kind = func.__code__, name, nth, kind
+        self.calls, self.hit = 0, False
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if (event == "c_call" and not self.hit and frame.f_code is self.code
+                and getattr(arg, "__name__", "") == self.name):
+            self.calls += 1
+            if self.calls == self.nth:
+                self.hit = True
+                raise self.kind(f"injected at {self.name} in {self.code.co_name}")
+
+    def __enter__(self) -> CallFault:
+        import sys
+
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import sys
+
+        sys.setprofile(None)

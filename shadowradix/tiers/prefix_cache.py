@@ -409,17 +409,20 @@ class PrefixCache:
         if pages.size == 0:
             return
         new = pool.claim(pages, busy)
+        done = (DEVICE, name, pages, False)  # the old ids to free once the tree names `new`
         try:  # the bytes first: nothing names `new` until the rename, which checks every
             self.copy_pages(name, pages, new)  # id before it changes any
             self._owners.relocate(row, owners, new)
+            self._unreleased.append(done)
         except BaseException:  # `pages` hold the bytes; the tree names them again
+            if self._unreleased and self._unreleased[-1] is done:
+                raise  # (a fault after the move was whole: it stays)
             try:  # (an interrupt may have cut the rename short: renaming back is idempotent)
                 self._owners.relocate(row, owners, pages)
                 pool.unclaim(new)
             except BaseException:  # in use, nobody's: they go at the next release
                 self._unreleased.append((DEVICE, name, new, False))
             raise
-        self._unreleased.append((DEVICE, name, pages, False))
         self.moved[name] += int(pages.size)
         self._release_pending()
 

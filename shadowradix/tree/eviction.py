@@ -43,6 +43,9 @@ def _salvaging(walk: F) -> F:
         try:
             return walk(self, *args, **kwargs)
         except BaseException:
+            # A table changed and its count not yet made (or the other way round): the
+            # counts are made again from the tables at the owner's next operation.
+            self.needs_repair = True
             freed = self._freeing
             if freed is not None:
                 self._unrecorded()

@@ -47,18 +47,21 @@ class SpillRoom:
             self.skipped += sum(counts)
             return None
         ids = np.full(want.shape, -1, PAGE)
-        got: list[tuple[int, np.ndarray]] = []
+        got: list[np.ndarray | None] = [None] * len(counts)  # (a store here cannot fail)
+        entry = (node, want.copy(), np.where(want, node.pages, -1), ids)
         try:
             for row, k in enumerate(counts):
                 if k:
-                    got.append((row, self._pools[row].alloc(k)))
-                    ids[row, want[row]] = got[-1][1]
-            self.taken.append((node, want.copy(), np.where(want, node.pages, -1), ids))
-        except BaseException:  # a fault in one pool: the pages of those before go back
-            for row, pages in got:
-                self._pools[row].free(pages)
+                    got[row] = self._pools[row].alloc(k)
+                    ids[row, want[row]] = got[row]
+            self.taken.append(entry)
+            return ids
+        except BaseException:  # a fault before it was recorded: what it took goes back
+            if not (self.taken and self.taken[-1] is entry):
+                for row, pages in enumerate(got):
+                    if pages is not None:
+                        self._pools[row].free(pages)
             raise
-        return ids
 
     def copies(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """(pool, device ids, host ids) per pool: the copies that make the moves real."""

@@ -1,0 +1,126 @@
+"""Faults in the window between a change and its record (found by an attack's fault sweeps;
+each test fails on the code before its mend): a compaction's old pages queued for release,
+a write-back room's host pages noted as taken, a spilled node's host pages counted."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from helpers import CallFault, tiny_layout
+from test_arena_compaction import ContentCache, _write, next_turn, tree_content_holds
+
+from shadowradix.pool.arena import Arena, plan_frames
+from shadowradix.sim.replay import CountingMover
+from shadowradix.tiers import PrefixCache
+from shadowradix.tiers.host_tier import HostTier
+from shadowradix.tiers.manager import CacheManager
+from shadowradix.tree.eviction import Eviction
+from shadowradix.tree.policy import CheckpointPolicy
+from shadowradix.tree.spill import SpillRoom
+
+PS = 4
+
+
+def _chats(manager: CacheManager, rng: np.random.Generator, chats: list, turns: int,
+           cache: ContentCache | None = None) -> None:
+    """Turns of random chats, each admitted a page at a time; a request a fault cuts short
+    is aborted, as the engine does, and the fault goes on."""
+    for _ in range(turns):
+        i, tokens = next_turn(rng, chats, 0.5)
+        lease = manager.admit(tokens, PS)
+        if lease is None:
+            continue
+        try:
+            for end in range(2 * PS, tokens.size + PS, PS):
+                if not manager.grow(lease, min(end, tokens.size)):
+                    break
+            else:
+                if cache is not None:
+                    _write(cache, lease, tokens)
+                manager.finish(lease, tokens, tokens.size)
+                chats[i] = tokens
+                continue
+        except BaseException:
+            manager.abort(lease)
+            raise
+        manager.abort(lease)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_compaction_whose_release_queue_cannot_grow_leaks_nothing(seed):
+    """The move renamed the tree's pages, then queued the old ids for release: memory
+    running out in that append left them in use, nobody's, for good (their frames never
+    went back). The append is now part of the move: a fault there undoes the rename."""
+    layout = tiny_layout(PS, window=5)
+    arena = Arena(layout, 24 * plan_frames(layout).frame_bytes)
+    cache = ContentCache(layout, {}, CheckpointPolicy(every_pages=2), arena=arena)
+    cache.content = [{} for _ in layout.pools]
+    manager = CacheManager(cache)
+    rng, chats = np.random.default_rng(seed), []
+    fault = CallFault(PrefixCache._compact_pool, "append")
+    with fault, pytest.raises(MemoryError):
+        _chats(manager, rng, chats, 200, cache)
+    assert fault.hit, "no compaction ran: the repro needs one"
+    manager.check_integrity()
+    tree_content_holds(cache)
+    _chats(manager, rng, chats, 40, cache)  # and it keeps serving, compacting
+    manager.check_integrity()
+    cache.flush()
+    assert all(p.used_pages == 0 for p in cache.pools.values())
+
+
+def _write_back() -> tuple[PrefixCache, HostTier, CacheManager]:
+    layout = tiny_layout(PS, window=5)
+    arena = Arena(layout, 24 * plan_frames(layout).frame_bytes)
+    cache = PrefixCache(layout, {}, CheckpointPolicy(every_pages=2), host_pages=200,
+                        arena=arena)
+    host = HostTier(cache, CountingMover(), "write_back")
+    manager = CacheManager(cache, host)
+    _chats(manager, np.random.default_rng(0), [], 6)
+    manager.check_integrity()
+    return cache, host, manager
+
+
+def _empties_both_tiers(cache: PrefixCache, host: HostTier, manager: CacheManager) -> None:
+    manager.check_integrity()
+    host.flush_device()
+    cache.flush(1)
+    manager.check_integrity()
+    left = {n: p.used_pages for n, p in (*cache.pools.items(), *cache.host_pools.items())}
+    assert not any(left.values()), f"pages left after flushing both tiers: {left}"
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_write_back_room_whose_books_cannot_grow_leaks_no_host_page(nth):
+    """A room took host pages, then noted them: memory running out as it noted them lost
+    them (in use, nobody's). Now a fault before the note gives them back."""
+    cache, host, manager = _write_back()
+    fault = CallFault(SpillRoom.take, "append", nth)
+    with fault, pytest.raises(MemoryError):
+        host.flush_device()
+    assert fault.hit
+    _empties_both_tiers(cache, host, manager)
+
+
+def test_an_interrupt_between_a_spill_and_its_count_leaves_the_counts_right(monkeypatch):
+    """A spilled node's host table was filled and the interrupt came before its host
+    pages were counted: the undo of the spill then took away counts never made, and they
+    stayed wrong for good. A walk cut short now has the counts made again."""
+    cache, host, manager = _write_back()
+    real = Eviction._apply
+    fired = []
+
+    def apply(self, *args, **kwargs):
+        if not fired and sys._getframe(1).f_code is Eviction._spill.__code__:
+            fired.append(True)
+            raise KeyboardInterrupt("injected between a spill and its count")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Eviction, "_apply", apply)
+    with pytest.raises(KeyboardInterrupt):
+        host.flush_device()
+    monkeypatch.undo()
+    assert fired
+    _empties_both_tiers(cache, host, manager)
