@@ -52,8 +52,8 @@ class SpillRoom:
         try:
             for row, k in enumerate(counts):
                 if k:
-                    got[row] = self._pools[row].alloc(k)
-                    ids[row, want[row]] = got[row]
+                    got[row] = pages = self._pools[row].alloc(k)
+                    ids[row, want[row]] = pages
             self.taken.append(entry)
             return ids
         except BaseException:  # a fault before it was recorded: what it took goes back
