@@ -58,9 +58,9 @@ class SpillRoom:
             return ids
         except BaseException:  # a fault before it was recorded: what it took goes back
             if not (self.taken and self.taken[-1] is entry):
-                for row, pages in enumerate(got):
-                    if pages is not None:
-                        self._pools[row].free(pages)
+                for row, held in enumerate(got):
+                    if held is not None:
+                        self._pools[row].free(held)
             raise
 
     def copies(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
