@@ -98,7 +98,7 @@ def test_a_load_back_still_writing_a_frame_holds_back_the_next_pool_there():
         need = host.load_need(m)
         got = cache.alloc(need)
         assert got is not None
-        host.load(m, got)  # the copy into `got` waits at the gate
+        host.load(m, dict(got))  # the copy into `got` waits at the gate
         cache.evict("kv", 3)  # and those pages go again before it lands
         reuse = _other_pool_in_the_same_bytes(cache, got["kv"])
         assert reuse.size

@@ -124,3 +124,40 @@ def test_an_interrupt_between_a_spill_and_its_count_leaves_the_counts_right(monk
     monkeypatch.undo()
     assert fired
     _empties_both_tiers(cache, host, manager)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_fault_after_a_load_back_fills_the_tree_leaves_each_page_one_owner(policy,
+                                                                            monkeypatch):
+    """A load-back's device pages pass from the request to the tree as the tree fills
+    them; the request let go of them only once `load` had returned, so a fault in between
+    (its bookkeeping) had the request's abort free pages the tree then named: the next
+    request wrote them, and a hit on the loaded prefix read its bytes. The hand-over is
+    one step now: after a fault the tree holds none of them and the request all."""
+    layout = tiny_layout(PS, window=5)
+    arena = Arena(layout, 24 * plan_frames(layout).frame_bytes)
+    cache = PrefixCache(layout, {}, CheckpointPolicy(every_pages=2), host_pages=200,
+                        arena=arena)
+    host = HostTier(cache, CountingMover(), policy)
+    manager = CacheManager(cache, host)
+    tokens = np.random.default_rng(0).integers(0, 50, 5 * PS).astype(np.int32)
+    lease = manager.admit(tokens, 64)
+    manager.finish(lease, tokens, tokens.size)
+    host.flush_device()  # the prefix lives on the host only
+    manager.check_integrity()
+    real = type(cache.tree).fill
+
+    def fill(self, node, table, tier):
+        real(self, node, table, tier)
+        if tier == 0:
+            raise KeyboardInterrupt("injected as the load-back's pages were filed")
+
+    monkeypatch.setattr(type(cache.tree), "fill", fill)
+    with pytest.raises(KeyboardInterrupt):
+        manager.admit(tokens, 64)
+    monkeypatch.undo()
+    manager.check_integrity()
+    lease = manager.admit(tokens, 64)  # and it loads the prefix again
+    assert lease is not None and lease.from_host > 0
+    manager.finish(lease, tokens, tokens.size)
+    manager.check_integrity()

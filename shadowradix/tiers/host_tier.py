@@ -102,11 +102,13 @@ class HostTier:
         return {name: int(np.count_nonzero(match.load[row]))
                 for row, name in enumerate(self.names)}
 
-    def load(self, match: MatchResult, pages: Mapping[str, np.ndarray]) -> np.ndarray:
+    def load(self, match: MatchResult, pages: dict[str, np.ndarray]) -> np.ndarray:
         """Copy the host-only pages the resume needs into the given device pages (as
         many per pool as `load_need` said), fill the tree, and return the request's
         device page table for [0, prefix) (-1 where the resume reads nothing).
-        The copy is in flight: see `ready_ticket`."""
+        The copy is in flight: see `ready_ticket`. `pages` is the caller's holder: the
+        tree takes them and it is emptied in one step; after a fault (an interrupt too)
+        the tree holds none of them and the caller all."""
         table = match.page_table.copy()
         if match.load is None or not np.count_nonzero(match.load):
             return table
@@ -120,10 +122,17 @@ class HostTier:
                 fill[row, cells] = dst
                 copies.append((name, HOST, match.host_table[row, cells], dst))
         self._submit(copies)  # before the tree adopts the pages: a copy never submitted
-        self.tree.fill(match.node, fill, DEVICE)  # must not leave them looking loaded
-        self.counts["loaded"] += int(np.count_nonzero(fill >= 0))
-        table[fill >= 0] = fill[fill >= 0]
-        return table
+        given = dict(pages)  # must not leave them looking loaded
+        try:
+            self.tree.fill(match.node, fill, DEVICE)
+            pages.clear()  # the tree's now
+            self.counts["loaded"] += int(np.count_nonzero(fill >= 0))
+            table[fill >= 0] = fill[fill >= 0]
+            return table
+        except BaseException:  # whatever the tree took (all or none) goes back to the caller
+            self.tree.unfill(match.node, fill, DEVICE)
+            pages.update(given)
+            raise
 
     # ---------------------------------------------------------------- backup
     def after_match(self, match: MatchResult) -> None:

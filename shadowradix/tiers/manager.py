@@ -265,8 +265,8 @@ class CacheManager:
             lease.grown_to = first_end
             prefix = m.page_table
             if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
-                prefix = self.host.load(m, lease.loading or {})
-                lease.loading = None  # the tree's now
+                prefix = self.host.load(m, lease.loading or {})  # empties it: the tree's now
+                lease.loading = None
                 self.host.after_match(m)
             lease.table[:, :done] = prefix
             if direct is not None and direct.blobs:  # L3 -> L1: bytes into its own pages

@@ -578,6 +578,22 @@ class ShadowRadix(Eviction):
             self.repair(after_fault=True)
             raise
 
+    def unfill(self, node: Node, table: np.ndarray, tier: int) -> None:
+        """Undo a `fill` of `table` along root..node in `tier` (nothing else changed since):
+        the cells holding its ids go back to -1 and the counts are made again. Idempotent:
+        where the fill never happened (or undid itself) it changes nothing."""
+        table = np.asarray(table, dtype=PAGE)
+        taken = False
+        for walk in self.path(node):
+            seg = table[:, walk.start_page:walk.end_page]
+            slot = walk.slot(tier)
+            mask = (seg >= 0) & (slot == seg)
+            if np.count_nonzero(mask):
+                slot[mask] = -1
+                taken = True
+        if taken:
+            self.repair(after_fault=True)
+
     def absent(self, node: Node, tier: int, min_hits: int = 0) -> np.ndarray:
         """[pools, node.end_page]: pages on the path root..node held by the other tier
         but not by `tier` (what a backup to the host would copy), in nodes matched at
