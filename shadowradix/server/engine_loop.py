@@ -176,7 +176,10 @@ class EngineLoop:
         try:
             command = self._commands.get(block=block)
             while True:
-                command()
+                try:
+                    command()
+                except Exception:  # one command's fault never stops the loop
+                    log.exception("an engine command failed")
                 ran += 1
                 command = self._commands.get_nowait()
         except queue.Empty:
@@ -205,7 +208,7 @@ class EngineLoop:
                 ids.append(engine.add_request(prompt, params))
         except Exception as e:
             for rid in ids:
-                engine.abort(rid)
+                self._drop(rid)
             fut.set_exception(e)
             return
         for i, (rid, prompt) in enumerate(zip(ids, sub.prompts, strict=True)):
@@ -213,10 +216,18 @@ class EngineLoop:
         fut.set_result(ids)
 
     def _abort(self, ids: list[str]) -> None:
-        assert self.engine is not None
         for rid in ids:
             if self._live.pop(rid, None) is not None:
-                self.engine.abort(rid)
+                self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        """Abort one request; a fault there is logged and the loop goes on (the engine
+        releases what the request still held: `Engine.abort`)."""
+        assert self.engine is not None
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("aborting request %s failed; what it held is released", rid)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         batches: dict[int, tuple[Submission, Delivery]] = {}
@@ -238,7 +249,7 @@ class EngineLoop:
         assert self.engine is not None
         batches: dict[int, tuple[Submission, Delivery]] = {}
         for rid, live in self._live.items():
-            self.engine.abort(rid)
+            self._drop(rid)
             batches.setdefault(id(live.sub), (live.sub, []))[1].append((live.index, error))
         self._live.clear()
         for sub, items in batches.values():
