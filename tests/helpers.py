@@ -168,12 +168,13 @@ class CallFault:
     runs. `hit` says whether it fired."""
 
     def __init__(self, func: Any, name: str, nth: int = 1,
-                 kind: type[BaseException] = MemoryError) -> None:
+                 kind: type[BaseException] = MemoryError, event: str = "c_call") -> None:
         self.code, self.name, self.nth, self.kind = func.__code__, name, nth, kind
+        self.event = event  # "c_return": as the call returns (an interrupt right after it)
         self.calls, self.hit = 0, False
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if (event == "c_call" and not self.hit and frame.f_code is self.code
+        if (event == self.event and not self.hit and frame.f_code is self.code
                 and getattr(arg, "__name__", "") == self.name):
             self.calls += 1
             if self.calls == self.nth:

@@ -92,13 +92,16 @@ def _empties_both_tiers(cache: PrefixCache, host: HostTier, manager: CacheManage
     assert not any(left.values()), f"pages left after flushing both tiers: {left}"
 
 
+@pytest.mark.parametrize("event, kind", [("c_call", MemoryError),
+                                         ("c_return", KeyboardInterrupt)])
 @pytest.mark.parametrize("nth", [1, 2])
-def test_a_write_back_room_whose_books_cannot_grow_leaks_no_host_page(nth):
+def test_a_write_back_room_whose_books_cannot_grow_leaks_no_host_page(nth, event, kind):
     """A room took host pages, then noted them: memory running out as it noted them lost
-    them (in use, nobody's). Now a fault before the note gives them back."""
+    them (in use, nobody's). Now a fault before the note gives them back, and one just
+    after it (the node's table not yet filled) has the spill's undo free them."""
     cache, host, manager = _write_back()
-    fault = CallFault(SpillRoom.take, "append", nth)
-    with fault, pytest.raises(MemoryError):
+    fault = CallFault(SpillRoom.take, "append", nth, kind, event)
+    with fault, pytest.raises(kind):
         host.flush_device()
     assert fault.hit
     _empties_both_tiers(cache, host, manager)

@@ -307,13 +307,20 @@ class Eviction:
     def unspill(self, room: SpillRoom) -> EvictResult:
         """Undo what a room recorded (its copies were never submitted): the host cells it
         filled hold no data, so they go, with any node left resident nowhere. The caller
-        frees the pages in the result (the host pages of the room included)."""
+        frees the pages in the result (the host pages of the room included): those a
+        node never took too (a fault between the room noting them and the node's table
+        filling)."""
         freed: Freed = [[[] for _ in range(self.n_pools)] for _ in range(self.tiers)]
         self._begin(freed)
-        for node, cells, _, _ in room.taken:
+        for node, cells, _, ids in room.taken:
+            held = cells & (node.slot(HOST) == ids)  # (a node that died let its own go)
+            never = cells & ~held
+            for row in range(self.n_pools):
+                if np.count_nonzero(never[row]):
+                    freed[HOST][row].append(ids[row][never[row]])
             if not node.alive:
                 continue
-            self._forget_cells(node, HOST, cells & (node.slot(HOST) >= 0), freed)
+            self._forget_cells(node, HOST, held, freed)
             self._drop_dead_leaf(node, freed)
         room.taken.clear()
         return self._evict_result(freed)
