@@ -164,3 +164,33 @@ def test_a_fault_after_a_load_back_fills_the_tree_leaves_each_page_one_owner(pol
     assert lease is not None and lease.from_host > 0
     manager.finish(lease, tokens, tokens.size)
     manager.check_integrity()
+
+
+def test_a_copy_queued_as_an_interrupt_strikes_still_makes_its_pages_wait(monkeypatch):
+    """A load-back's copy was queued, then an interrupt came as the submit returned: the
+    ticket was never booked on the pages it writes, so once the admission aborted, the next
+    owner of those pages did not wait for the copy, which then overwrote its KV. A copy the
+    mover took is booked all the same now."""
+    _, host, manager = _write_back()
+    tokens = np.random.default_rng(1).integers(0, 50, 5 * PS).astype(np.int32)
+    lease = manager.admit(tokens, 64)
+    manager.finish(lease, tokens, tokens.size)
+    host.flush_device()
+    real = host.mover.submit
+    seen = []
+
+    def submit(copies):
+        ticket = real(copies)
+        if any(tier == 1 for _, tier, _, _ in copies):  # host -> device: a load-back
+            seen.extend((name, np.asarray(dst)) for name, _, _, dst in copies)
+            raise KeyboardInterrupt("injected as the submit returned")
+        return ticket
+
+    monkeypatch.setattr(host.mover, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        manager.admit(tokens, 64)
+    monkeypatch.undo()
+    assert seen, "no load-back was submitted: the repro needs one"
+    pages = dict(seen)
+    assert host.ready_ticket(pages) == host.mover.last
+    manager.check_integrity()

@@ -190,7 +190,17 @@ class HostTier:
         writes = [(name, 1 - tier, np.asarray(dst)) for name, tier, _, dst in copies]
         busy = [self._busy(name, src if tier == DEVICE else dst)
                 for name, tier, src, dst in copies]
-        ticket = self.mover.submit(copies)
+        before = self.mover.last
+        try:
+            ticket = self.mover.submit(copies)
+        except BaseException:  # queued all the same (an interrupt as it returned): booked
+            if self.mover.last == before:
+                raise
+            ticket = self.mover.last
+            for table, cells in busy:
+                table[cells] = ticket
+            self._writes[ticket] = writes
+            raise
         for table, cells in busy:
             table[cells] = ticket
         self._writes[ticket] = writes
