@@ -15,11 +15,21 @@ redis-py answers a socket timeout by disconnecting that connection (so half a re
 stays in the pool) and raising redis.TimeoutError, which the breaker-guarded call counts
 as "unreachable" and which opens the breaker. Works with any parser (hiredis or not) and
 with TLS, since it wraps whatever socket the connection class made.
+
+Resolving the store's host name (`getaddrinfo`, inside redis-py's connect) takes no
+timeout at all: a resolver that stalls would hold the call for as long as it likes. A
+connection to a host given by name is therefore made on a thread of its own, by a copy of
+the connection (whose timeouts nothing else changes), and waited on for what is left of
+the deadline (`_connect_by`). A socket it makes too late is closed; at most `MAX_LATE`
+such threads wait on a resolver at once (past that a connect fails at once). A host given
+as an IP address needs no lookup and connects in place.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import ipaddress
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +38,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _local = threading.local()
+MAX_LATE = 8  # connect threads past their deadline, still waiting on a resolver, at most
+_late = threading.BoundedSemaphore(MAX_LATE)
 
 
 def check_deadline(seconds: float, name: str = "deadline_s") -> float:
@@ -150,6 +162,15 @@ def connection_class(budget_s: float, tls: bool = False) -> type:
             left = self.time_left()
             if left is not None and left <= 0:
                 raise TimeoutError("the storage call's deadline has passed")  # socket.timeout
+            if left is None or _is_address(self.host):
+                sock = self._connect_within(left)
+            else:  # a name to look up: on a copy of this connection (see `_connect_by`)
+                worker = copy.copy(self)
+                sock = _connect_by(lambda: worker._connect_within(left), left, self.host)
+            sock.settimeout(self.socket_timeout)  # redis-py's; _BoundedSocket clamps it
+            return _BoundedSocket(sock, self.time_left)
+
+        def _connect_within(self, left: float | None) -> Any:
             # The TCP connect waits socket_connect_timeout; a TLS handshake (done inside
             # the base's _connect, before the socket is ours to wrap) waits socket_timeout,
             # over the whole handshake (CPython's do_handshake keeps a deadline): both at
@@ -162,12 +183,59 @@ def connection_class(budget_s: float, tls: bool = False) -> type:
                     left, configured)
                 self.socket_timeout = left if reading is None else min(left, reading)
             try:
-                sock = super()._connect()
+                return super()._connect()
             finally:
                 self.socket_connect_timeout = configured
                 self.socket_timeout = reading
-            sock.settimeout(reading)  # what redis-py asked for; _BoundedSocket clamps it
-            return _BoundedSocket(sock, self.time_left)
 
     Bounded.__name__ = Bounded.__qualname__ = f"Bounded{base.__name__}"
     return Bounded
+
+
+@functools.lru_cache(maxsize=64)
+def _is_address(host: str) -> bool:
+    """Whether `host` is an IP address (no lookup to connect to it)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
+    """`connect()` (a socket) run on a thread of its own and waited on at most `seconds`:
+    its name lookup, which takes no timeout, costs at most the call's deadline. A socket
+    it makes after that is closed; a fault it raises in time is raised here. Raises
+    TimeoutError (socket.timeout) when late, or at once while `MAX_LATE` earlier connects
+    still wait on the resolver."""
+    if not _late.acquire(blocking=False):
+        raise TimeoutError(f"{MAX_LATE} connects to {host!r} still wait on the name resolver")
+    done, lock = threading.Event(), threading.Lock()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["sock"] = connect()
+        except BaseException as err:  # (the waiter raises it, if still waiting)
+            box["err"] = err
+        with lock:
+            done.set()
+            late = box.get("late", False)
+        _late.release()
+        if late and "sock" in box:  # nobody waits for it any more
+            box.pop("sock").close()
+
+    try:
+        threading.Thread(target=run, name="storage-connect", daemon=True).start()
+    except BaseException:
+        _late.release()
+        raise
+    if not done.wait(seconds):
+        with lock:
+            if not done.is_set():
+                box["late"] = True
+                raise TimeoutError(f"connecting to {host!r} (its name lookup included) "
+                                   f"took longer than the call's deadline")
+    if "err" in box:
+        raise box.pop("err")
+    return box.pop("sock")
