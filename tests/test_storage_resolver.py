@@ -6,6 +6,7 @@ Valkey's address; the server, the client and the sockets are real."""
 
 from __future__ import annotations
 
+import _thread
 import socket
 import threading
 import time
@@ -129,3 +130,22 @@ def test_a_fault_of_the_connect_in_time_is_raised_to_the_caller():
 
     with pytest.raises(ConnectionRefusedError):
         deadline_mod._connect_by(refused, 1.0, NAME)
+
+
+def test_an_interrupted_wait_leaves_no_socket_open():
+    """The caller interrupted while it waits (a signal: SIGINT's KeyboardInterrupt): the
+    socket the lookup's thread makes afterwards is closed, and its slot comes back."""
+    made: list[socket.socket] = []
+    go = threading.Event()
+
+    def slow() -> socket.socket:
+        go.wait(10)
+        made.append(socket.socket())
+        return made[-1]
+
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        deadline_mod._connect_by(slow, 5.0, NAME)
+    go.set()
+    assert wait_for(lambda: bool(made) and made[0].fileno() == -1), "left open"
+    assert wait_for(lambda: deadline_mod._late._value == deadline_mod.MAX_LATE)

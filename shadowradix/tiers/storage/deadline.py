@@ -227,15 +227,22 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
 
     try:
         threading.Thread(target=run, name="storage-connect", daemon=True).start()
-    except BaseException:
+    except RuntimeError:  # no thread to be had: in place, the lookup unbounded as before
         _late.release()
-        raise
-    if not done.wait(seconds):
+        return connect()
+    interrupted = True
+    try:
+        done.wait(seconds)
+        interrupted = False
+    finally:
         with lock:
-            if not done.is_set():
-                box["late"] = True
-                raise TimeoutError(f"connecting to {host!r} (its name lookup included) "
-                                   f"took longer than the call's deadline")
+            finished = done.is_set()
+            box["late"] = not finished
+        if interrupted and finished and "sock" in box:  # nobody takes it
+            box.pop("sock").close()
+    if not finished:
+        raise TimeoutError(f"connecting to {host!r} (its name lookup included) took longer "
+                           f"than the call's deadline")
     if "err" in box:
         raise box.pop("err")
     return box.pop("sock")
