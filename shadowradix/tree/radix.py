@@ -438,7 +438,7 @@ class ShadowRadix(Eviction):
         try:
             self._lock_walk(handle, +1)
         except BaseException:  # the nodes it locked are unlocked again
-            floor, handle.done_from = handle.done_from, None
+            floor, handle.progress = handle.done_from, (None, None, False)
             if floor is not None:
                 try:
                     self._lock_walk(handle, -1, floor=floor)
@@ -477,26 +477,34 @@ class ShadowRadix(Eviction):
         halfway leaves the handle unreleased: unlocking it again finishes the walk."""
         if handle.released:
             raise ValueError("lock handle already released")
-        self._lock_walk(handle, -1)
-        handle.released = True
+        self._lock_walk(handle, -1, release=True)
 
-    def _lock_walk(self, handle: LockHandle, step: int, floor: int = 0) -> None:
+    def _lock_walk(self, handle: LockHandle, step: int, floor: int = 0,
+                   release: bool = False) -> None:
         """Lock (step +1) or unlock (-1) the path from handle.node up to the node starting
         at page `floor`, but the nodes a walk a fault cut short did already: those from
         `handle.done_from` (a page, so a node split since counts as done in both parts).
-        Each node's counts move first, its lock counts last, then `done_from`; after a
-        fault the counts are made again from the nodes (`repair`), so the walk resumes
-        where it stopped."""
+        `release`: the walk's end marks the handle released, in the same step.
+
+        Before a node changes, `handle.progress` notes it with its lock counts, in one
+        assignment that also counts the node before it as done. A fault after the note
+        puts the node's lock counts back as they were (they are all it changes; what the
+        tree derives from them, `repair` makes again), so the walk resumes at that node,
+        never counting one twice or not at all."""
+        self._undo_pending(handle)
         need = handle.window_pages
         node: Node | None = handle.node
         flip = 0 if step > 0 else 1  # the count at which a page turns pinned / unpinned
+        done = handle.done_from
         try:
             while node is not None and node is not self.root and node.end_page > floor:
                 take = min(need, node.n_pages) if need > 0 else 0
-                if handle.done_from is None or node.start_page < handle.done_from:
+                if done is None or node.start_page < done:
+                    cols = node.window_lock[node.n_pages - take:]
+                    handle.progress = (done, (node, node.full_lock,
+                                              cols.copy() if take else None), False)
                     if node.full_lock == flip:
                         self._pin(node, None, step)
-                    cols = node.window_lock[node.n_pages - take:]
                     if take and self.window_pin_rows:
                         turning = cols == flip
                         if np.count_nonzero(turning):
@@ -506,13 +514,27 @@ class ShadowRadix(Eviction):
                     node.full_lock += step
                     if take:
                         cols += step
-                    handle.done_from = node.start_page
+                    done = node.start_page  # (noted with the next node, or at the end)
                 need -= take
                 node = node.parent
+            handle.progress = (None, None, release)
         except BaseException:
+            self._undo_pending(handle)
             self.repair(after_fault=True)
             raise
-        handle.done_from = None
+
+    @staticmethod
+    def _undo_pending(handle: LockHandle) -> None:
+        """Put back the lock counts of the node a walk was changing when a fault struck
+        (idempotent: it writes what they were)."""
+        done, pending, _ = handle.progress
+        if pending is None:
+            return
+        node, full_lock, cols = pending
+        node.full_lock = full_lock
+        if cols is not None and cols.size <= node.n_pages:
+            node.window_lock[node.n_pages - cols.size:] = cols
+        handle.progress = (done, None, False)
 
     def _pin(self, node: Node, cols: np.ndarray | None, step: int) -> None:
         """Pinned counts as a node's full lock (cols None) or some window locks turn.

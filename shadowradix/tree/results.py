@@ -186,10 +186,25 @@ class LockHandle:
 
     node: Node
     window_pages: int
-    released: bool = field(default=False)
-    # Where a lock or unlock walk a fault cut short got to: the first page of the last
-    # node it did (None: none); it resumes above it.
-    done_from: int | None = None
+    # Where a lock or unlock walk got to, in one attribute, so that an interrupt finds it
+    # before or after each step, never between two (ShadowRadix._lock_walk): the first page
+    # of the last node the walk did (None: none; it resumes above it), the node it is
+    # changing with that node's lock counts from before (None: none), and whether the
+    # unlock walk is through (the handle is released).
+    progress: tuple[int | None, Pending | None, bool] = (None, None, False)
     # Its owner is done with it: set before the unlock, so that a fault as the unlock is
     # called leaves it to the cache (PrefixCache.lock(transient=True)).
     expired: bool = False
+
+    @property
+    def released(self) -> bool:
+        return self.progress[2]
+
+    @property
+    def done_from(self) -> int | None:
+        return self.progress[0]
+
+
+# A node a lock walk is changing: the node, its full_lock before, and (None: untouched)
+# its last window_lock columns before.
+Pending = tuple[Node, int, "np.ndarray | None"]

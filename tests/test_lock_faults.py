@@ -1,0 +1,85 @@
+"""A fault at any line of a lock or an unlock (an interrupt between two statements, as a
+signal arrives) is all or nothing: a lock leaves every lock count as before or as after
+the whole lock, and an unlock cut short is finished by the cache's next operation, each
+node counted once. Before, a lock walk changed a node's counts one statement before it
+noted the node as done, and an unlock marked its handle released one statement after its
+walk: an interrupt between had the resumed unlock count a node twice (a negative lock
+count, or a count other requests' locks rely on taken away: their pages evictable while
+they read them), or the rolled-back lock leave a count for good (found by an attack with
+line-level fault sweeps)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from helpers import LineFault, serve, tiny_layout
+
+from shadowradix.tiers import PrefixCache
+from shadowradix.tree.radix import ShadowRadix
+
+PS = 4
+LOCK_CODE = [*(getattr(ShadowRadix, name) for name in (
+    "lock", "unlock", "_lock_walk", "_undo_pending", "_pin") if hasattr(ShadowRadix, name)),
+    PrefixCache.lock, PrefixCache.unlock]
+
+
+def _counts(cache: PrefixCache) -> dict:
+    """Every node's lock counts, by where it starts in the sequence."""
+    return {(n.key(PS), n.start_page): (n.full_lock, n.window_lock.tolist())
+            for n in cache.tree.nodes()}
+
+
+def _world():
+    """A tree of three requests sharing prefixes (a lock walk crosses several nodes), two
+    of them locked, and the sequence the operation locks or unlocks."""
+    cache = PrefixCache(tiny_layout(PS, window=5), 64)
+    a = list(range(1, 5 * PS + 2))
+    b = a[:2 * PS] + [99] * (2 * PS) + [7]
+    c = a[:4 * PS] + [55] * PS + [8]
+    for seq in (a, b, c):
+        serve(cache, seq)
+    for seq in (b, c):  # locks of others' that the operation's walk shares nodes with
+        cache.lock(cache.match(seq))
+    return cache, a
+
+
+@pytest.mark.parametrize("level", ["cache", "tree"])
+def test_a_fault_at_any_line_of_a_lock_locks_all_or_nothing(level):
+    cache, a = _world()
+    m = cache.match(a)
+    arg = m if level == "cache" else m.node
+    before = _counts(cache)
+    trial = copy.deepcopy((cache, arg))
+    with LineFault(LOCK_CODE) as count:
+        (trial[0] if level == "cache" else trial[0].tree).lock(trial[1])
+    after = _counts(trial[0])
+    assert after != before
+    for nth in range(1, count.lines + 1):
+        t_cache, t_arg = copy.deepcopy((cache, arg))
+        t_target = t_cache if level == "cache" else t_cache.tree
+        with pytest.raises(KeyboardInterrupt), LineFault(LOCK_CODE, nth):
+            t_target.lock(t_arg)
+        t_cache.check_integrity()  # mends first (a rollback a fault cut short)
+        assert _counts(t_cache) in (before, after), nth
+
+
+def test_a_fault_at_any_line_of_an_unlock_is_finished_once():
+    """By the cache's next operation once the unlock began, else by the caller unlocking
+    again (as `unlock` says); either way each node is counted once."""
+    cache, a = _world()
+    handle = cache.lock(cache.match(a))
+    trial = copy.deepcopy((cache, handle))
+    with LineFault(LOCK_CODE) as count:
+        trial[0].unlock(trial[1])
+    after = _counts(trial[0])
+    for nth in range(1, count.lines + 1):
+        t_cache, t_handle = copy.deepcopy((cache, handle))
+        with pytest.raises(KeyboardInterrupt), LineFault(LOCK_CODE, nth):
+            t_cache.unlock(t_handle)
+        t_cache.check_integrity()  # mends first: finishes the unlock once it began
+        if not t_handle.released:  # the fault came first: the caller unlocks again
+            t_cache.unlock(t_handle)
+        assert t_handle.released and _counts(t_cache) == after, nth
+        with pytest.raises(ValueError, match="already released"):
+            t_cache.tree.unlock(t_handle)
