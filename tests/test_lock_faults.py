@@ -83,3 +83,30 @@ def test_a_fault_at_any_line_of_an_unlock_is_finished_once():
         assert t_handle.released and _counts(t_cache) == after, nth
         with pytest.raises(ValueError, match="already released"):
             t_cache.tree.unlock(t_handle)
+
+
+def test_a_fault_at_any_line_of_a_split_leaves_the_tree_whole():
+    """A request sharing a page of a node splits it (Node.split, ShadowRadix._split). An
+    interrupt at any line leaves the tree as it was or split, whole either way; the
+    request then goes through and nothing leaks. Before, an interrupt between linking the
+    head into the parent and re-pointing the tail left the tail's parent link broken."""
+    from shadowradix.tree.node import Node
+
+    code = [Node.split, ShadowRadix._split]
+    cache = PrefixCache(tiny_layout(PS, window=5), 64)
+    a = list(range(1, 4 * PS + 2))
+    serve(cache, a)
+    b = a[:PS] + [99] * (3 * PS) + [7]  # shares a's first page: splits a's node
+    with LineFault(code) as count:
+        serve(copy.deepcopy(cache), b)
+    assert count.lines > 0
+    for nth in range(1, count.lines + 1):
+        t_cache = copy.deepcopy(cache)
+        with pytest.raises(KeyboardInterrupt), LineFault(code, nth):
+            serve(t_cache, b)
+        t_cache.check_integrity()  # mends first
+        serve(t_cache, b)
+        t_cache.check_integrity()
+        t_cache.flush()
+        t_cache.check_integrity()
+        assert not any(p.used_pages for p in t_cache.pools.values()), nth

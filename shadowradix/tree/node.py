@@ -84,20 +84,18 @@ class Node:
             host=None if self.host is None else self.host[:, :j].copy(),
             hits=self.hits,
         )
-        # Everything the tail becomes is made first, then linked with plain assignments:
-        # a fault (an array copy that fails) leaves the tree as it was.
-        key = self.key(page_size)
+        # Everything the tail becomes is made first (a fault there, an array copy that
+        # fails, leaves the tree as it was), then linked by the stores of one line: an
+        # interrupt finds the tree as it was or split, never between (each store replaces
+        # what a slot or an existing key holds, so none of them allocates).
         tokens = self.tokens[j * page_size:]
-        pages, keep = self.pages[:, j:].copy(), self.keep[:, j:].copy()
-        host = None if self.host is None else self.host[:, j:].copy()
-        window_lock = self.window_lock[j:].copy()
-        tail_key = tokens[:page_size].tobytes()
-        head.children[tail_key] = self
-        self.parent.children[key] = head
-        self.tokens, self.pages, self.keep, self.host = tokens, pages, keep, host
-        self.window_lock = window_lock
-        self.start_page += j
-        self.parent = head
+        up, key = self.parent.children, self.key(page_size)
+        link = (head, tokens, self.pages[:, j:].copy(), self.keep[:, j:].copy(),
+                None if self.host is None else self.host[:, j:].copy(),
+                self.window_lock[j:].copy(), self.start_page + j, head)
+        head.children[tokens[:page_size].tobytes()] = self  # head is nobody's child yet
+        s = self
+        up[key], s.tokens, s.pages, s.keep, s.host, s.window_lock, s.start_page, s.parent = link
         return head
 
 

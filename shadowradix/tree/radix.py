@@ -711,13 +711,13 @@ class ShadowRadix(Eviction):
                     host=np.full((self.n_pools, n), -1, PAGE) if self.tiers > 1 else None)
 
     def _split(self, node: Node, j: int) -> Node:
-        head = node.split(j, self.page_size)  # all or nothing
         try:
+            head = node.split(j, self.page_size)  # all or nothing
             if self.owners is not None:
                 self.owners.note(head, head.pages)
             self._n_nodes += 1
             self._enqueue(head, head.pages >= 0)  # a new node: wherever it holds pages
-        except BaseException:  # linked: what the tree derives from it is made again
+        except BaseException:  # split or not, what the tree derives is made again
             self.repair(after_fault=True)
             raise
         return head
