@@ -65,6 +65,8 @@ class Lease:
     stored: int = 0  # pages [0, stored) are in storage or came from a cache tier
     version: int = 0  # bumped whenever `table` changes
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
+    # Allocated and not yet filed in `table` / `own` (`CacheManager._alloc`): abort frees it.
+    fresh: dict[str, np.ndarray] | None = None
     torn: bool = False  # a fault in `shrink` left own pages past `grown_to` in some pools
     tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
     prompt: int = 0  # tokens it was admitted with: where its prompt ends (resume learning)
@@ -249,19 +251,20 @@ class CacheManager:
             raise
         try:
             self.cache.record(m)
-            got = self._alloc(need)
+            got = self._alloc(need, lease)
             if got is None:  # an arena's frames stayed short after evicting (see alloc)
                 self.abort(lease)
                 return None
-            if load:
-                lease.loading = {n: got[n][:load.get(n, 0)] for n in got}
+            loading = {n: got[n][:load.get(n, 0)] for n in got} if load else None
             for row, n in enumerate(self.names):
                 mine = got[n][load[n]:] if load.get(n) else got[n]
                 k = int(n_stored[row])
                 if k:
                     lease.table[row, done:resume][stored[row]] = mine[:k]
                 lease.table[row, resume:want[row]] = mine[k:]
-            lease.own[:, done:] = lease.table[:, done:] >= 0
+            # Filed, in one statement: an interrupt finds them all fresh or all filed.
+            mine_now = lease.table[:, done:] >= 0
+            lease.own[:, done:], lease.loading, lease.fresh = mine_now, loading, None
             lease.grown_to = first_end
             prefix = m.page_table
             if self.host is not None:  # L2 -> L1 copies start now; the lease waits for them
@@ -326,28 +329,40 @@ class CacheManager:
         need = {n: want[row] - have[row] - (0 if kept is None else int(kept[row].sum()))
                 for row, n in enumerate(self.names)}
         if any(need.values()):
-            got = self._alloc(need) if self._room(need) else None
+            got = self._alloc(need, lease) if self._room(need) else None
             if got is None:
                 return False
-            width = max(want)
-            if width > lease.table.shape[1]:
-                extra = width - lease.table.shape[1]
-                lease.table = np.concatenate(
-                    (lease.table, np.full((len(self.names), extra), -1, PAGE)), axis=1)
-                lease.own = np.concatenate(
-                    (lease.own, np.zeros((len(self.names), extra), dtype=bool)), axis=1)
-            for row, n in enumerate(self.names):
-                cells = lease.table[row, have[row]:want[row]]
-                if kept is None:
-                    cells[:] = got[n]
-                else:  # around the pages a torn shrink left the lease
-                    cells[~kept[row]] = got[n]
-                lease.own[row, have[row]:want[row]] = True
+            try:
+                self._file(lease, got, have, want, kept)
+            except BaseException:  # not filed: they go back (filed, `fresh` is None)
+                self._drop_fresh(lease)
+                raise
             lease.version += 1
             if self.host is not None:  # a backup or spill may still read these pages
                 lease.ready = max(lease.ready, self.host.ready_ticket(got))
         lease.grown_to = end
         return True
+
+    def _file(self, lease: Lease, got: dict[str, np.ndarray], have: list[int],
+              want: list[int], kept: list[np.ndarray] | None) -> None:
+        """Name the pages `grow` allocated (`lease.fresh`) in the lease's table, cells
+        [have, want) of each pool (around the `kept` pages a torn shrink left it), and make
+        them its own: the new table and own marks are made aside, then taken, with `fresh`
+        cleared, in one statement."""
+        width = max(want)
+        extra = max(width - lease.table.shape[1], 0)
+        table = np.concatenate((lease.table, np.full((len(self.names), extra), -1, PAGE)),
+                               axis=1)
+        own = np.concatenate((lease.own, np.zeros((len(self.names), extra), dtype=bool)),
+                             axis=1)
+        for row, n in enumerate(self.names):
+            cells = table[row, have[row]:want[row]]
+            if kept is None:
+                cells[:] = got[n]
+            else:  # around the pages a torn shrink left the lease
+                cells[~kept[row]] = got[n]
+            own[row, have[row]:want[row]] = True
+        lease.table, lease.own, lease.fresh = table, own, None
 
     def _torn_pages(self, lease: Lease, have: list[int], want: list[int]) -> list[np.ndarray]:
         """Per pool, which cells of [have, want) hold a page a torn shrink left the lease
@@ -398,22 +413,22 @@ class CacheManager:
                    start: int, full: int, finished: bool) -> None:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
-        try:
+        try:  # until the lease no longer calls what the tree adopted its own
             result = self.tree.insert(tokens, pages, start, finished=finished,
                                       prompt=lease.prompt)
-        except BaseException:
+            lease.tail = None if finished else result.node  # finished: ends at a checkpoint
+            given = pages >= 0
+            # Pages it did not adopt (it holds its own copy, or an eager policy dropped
+            # ours) stay the lease's until freed; then the request reads the tree's copy.
+            dups = np.zeros_like(given)
+            for row, n in enumerate(self.names):
+                if result.to_free[n].size:
+                    dups[row] = given[row] & np.isin(pages[row], result.to_free[n])
+            own, view = lease.own[:, start:full], lease.table[:, start:full]
+            own[given & ~dups] = False  # the tree's now
+        except BaseException:  # (the insert went through or not: it works out which)
             self._reclaim(lease, tokens, pages, start, finished)
             raise
-        lease.tail = None if finished else result.node  # finished: it ends at a checkpoint
-        given = pages >= 0
-        # Pages it did not adopt (it holds its own copy, or an eager policy dropped ours)
-        # stay the lease's until freed; then the request reads the tree's copy.
-        dups = np.zeros_like(given)
-        for row, n in enumerate(self.names):
-            if result.to_free[n].size:
-                dups[row] = given[row] & np.isin(pages[row], result.to_free[n])
-        own, view = lease.own[:, start:full], lease.table[:, start:full]
-        own[given & ~dups] = False  # the tree's now
         lease.handed = max(lease.handed, full)
         lease.version += 1
         if np.count_nonzero(dups):
@@ -560,6 +575,7 @@ class CacheManager:
         if lease.loading is not None:  # allocated for a load-back the tree never took
             loading, lease.loading = lease.loading, None
             self.cache.free(loading)
+        self._drop_fresh(lease)
         if lease.own.any():
             self._give_up(lease.table, lease.own, lease.own.copy())
         while lease.handles:
@@ -587,32 +603,48 @@ class CacheManager:
     def _give_up(self, table: np.ndarray, own: np.ndarray, cells: np.ndarray,
                  view: np.ndarray | None = None, instead: np.ndarray | None = None) -> None:
         """Free the pages `table[cells]` a lease owns (`own`: its own marks over the same
-        columns), pool by pool. Once a pool's pages are freed its cells are marked not the
-        lease's own and, in the lease's `view` of those columns (if given), name
-        `instead` (the tree's copy; None: -1) before the next pool is freed: a fault in
-        one pool leaves the later pools' pages the lease's (an abort after it frees
-        exactly those) and no cell naming a page already freed."""
+        columns), pool by pool. A pool's cells are marked not the lease's own and, in the
+        lease's `view` of those columns (if given), name `instead` (the tree's copy; None:
+        -1), then its pages are freed (the pool's free is all or nothing; a fault before
+        it went through marks them back): a fault at any point leaves each pool's pages
+        either the lease's (an abort frees exactly those) or freed, never both."""
         for row, name in enumerate(self.names):
             mask = cells[row]
             if np.count_nonzero(mask):
-                self.cache.free({name: table[row][mask]})
-                own[row][mask] = False
-                if view is not None:
-                    view[row][mask] = -1 if instead is None else instead[row][mask]
+                pages = table[row][mask]
+                seen = None if view is None else view[row][mask]
+                try:
+                    own[row][mask] = False
+                    if view is not None:
+                        view[row][mask] = -1 if instead is None else instead[row][mask]
+                    self.cache.free({name: pages})
+                except BaseException:
+                    if self.cache.pools[name].in_use(pages).all():  # not freed: the lease's
+                        own[row][mask] = True
+                        if view is not None:
+                            view[row][mask] = seen
+                    raise
 
     def private(self, lease: Lease) -> dict[str, np.ndarray]:
         """The request's own pages, per pool."""
         return {n: lease.table[row][lease.own[row]] for row, n in enumerate(self.names)}
 
-    def _alloc(self, need: dict[str, int]) -> dict[str, np.ndarray] | None:
-        got = self.cache.alloc(need) if self.host is None else self.host.alloc_device(need)
+    def _alloc(self, need: dict[str, int], lease: Lease) -> dict[str, np.ndarray] | None:
+        """Pages for `lease`, held in `lease.fresh` from the statement the allocation
+        returns in until the caller files them (an abort frees them there, so an interrupt
+        between never leaks them); None when they do not fit."""
+        self._drop_fresh(lease)  # (a fault before an earlier filing left them)
+        alloc = self.cache.alloc if self.host is None else self.host.alloc_device
+        got = lease.fresh = alloc(need)
         if got is not None and self.poison:
-            try:
-                self._poison(got)
-            except BaseException:  # not recorded in any lease yet: they go back here
-                self.cache.free(got)
-                raise
+            self._poison(got)  # a fault: the caller's abort (or `grow`) frees `fresh`
         return got
+
+    def _drop_fresh(self, lease: Lease) -> None:
+        """Free what `_alloc` gave `lease` and nothing filed (see `Lease.fresh`)."""
+        fresh, lease.fresh = lease.fresh, None
+        if fresh is not None:
+            self.cache.free(fresh)
 
     def _poison(self, pages: dict[str, np.ndarray]) -> None:
         """Debug mode: fill newly allocated pages with NaN, so a request that still reads a
