@@ -325,8 +325,14 @@ class Engine:
             except BaseException:
                 self.scheduler.release_orphans()  # the requests stay; a retry may succeed
                 raise
-            outputs, self._outbox = self._outbox, []
-            return outputs
+        # Taken once the lock is let go: a fault as it is (its exit runs code) leaves them
+        # queued for the next `step`, as after a failed step.
+        return self._take_outbox()
+
+    def _take_outbox(self) -> list[StepOutput]:
+        """The outbox's outputs, the outbox emptied, in one statement (the list is made,
+        then the outbox cleared): an interrupt finds them all queued or all taken."""
+        return [*self._outbox, *(self._outbox.clear() or ())]  # type: ignore[func-returns-value]
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once: its pages and locks are released, copies in flight
@@ -399,7 +405,8 @@ class Engine:
         snaps = {c.request: Snapshot.take(c.request, c.end >= len(c.request.ids))
                  for c in chunks}
         spec = self.speculator
-        try:
+        at = -1  # the chunk being booked (-1: none yet): those after it go back on a fault
+        try:  # one handler from the forward to the last booking: no line is left out
             t_forward = time.perf_counter()
             if spec.mtp is not None:  # its drafts 2..k, once the pages are there
                 for c in chunks:
@@ -410,37 +417,35 @@ class Engine:
                 logits, hidden = self.runner.forward_hidden(segments, self.store)
             else:
                 logits, hidden = self.runner.forward_batch(segments, self.store), []
-        except BaseException:  # the step as a whole failed: put every request back
-            for req, snap in snaps.items():
-                snap.restore_model(req)
-            raise
-        self._counters["forward_seconds"] += time.perf_counter() - t_forward
-        self._counters["steps"] += 1
-        decided = self._decide_all(chunks, logits, snaps)
-        drafts: dict[Request, Any] = {}
-        if spec.mtp is not None:  # the block's KV at every kept position, before caching
-            t_forward = time.perf_counter()
-            try:
-                drafts = spec.catch_up(chunks, hidden, decided, self.store)
-            except BaseException:
-                _put_back(snaps, list(snaps))
-                raise
             self._counters["forward_seconds"] += time.perf_counter() - t_forward
-        for i, (c, rows) in enumerate(zip(chunks, logits, strict=True)):
-            if c.request.error is not None:
-                continue  # failed alone while its tokens were chosen
-            try:
-                try:
-                    if c.request in drafts:
-                        c.request.draft_state = drafts[c.request]
-                    self._advance(c, rows, decided.get(c.request))
-                except Exception as e:  # its own booking failed: it fails alone
-                    self._fail(c.request, e)
-            except BaseException:  # an interrupt, or failing it failed: the rest stay pending
-                _put_back(snaps, [later.request for later in chunks[i + 1:]])  # drawn, not taken
-                self._interrupted(c.request, snaps[c.request])
-                raise
+            self._counters["steps"] += 1
+            decided = self._decide_all(chunks, logits)
+            drafts: dict[Request, Any] = {}
+            if spec.mtp is not None:  # the block's KV at every kept position, before caching
+                t_forward = time.perf_counter()
+                drafts = spec.catch_up(chunks, hidden, decided, self.store)
+                self._counters["forward_seconds"] += time.perf_counter() - t_forward
+            for i, (c, rows) in enumerate(zip(chunks, logits, strict=True)):
+                at = i  # (a fault before this line: the one before is done; it holds)
+                if c.request.error is None:  # (else it failed alone as its tokens were chosen)
+                    self._book(c, rows, decided.get(c.request), drafts.get(c.request))
+        except BaseException:  # an interrupt, a failed forward, or failing one failed
+            _put_back(snaps, [c.request for c in chunks[at + 1:]])  # drawn, not taken
+            if at >= 0:  # what held of its booking holds; else it goes back to the queue
+                self._interrupted(chunks[at].request, snaps[chunks[at].request])
+            raise
         self._counters["step_seconds"] += time.perf_counter() - t_step
+
+    def _book(self, c: Chunk, rows: torch.Tensor, decided: tuple[list[int], int] | None,
+              draft_state: Any) -> None:
+        """Book one chunk (`_advance`); a fault of its own fails it alone. (Apart from the
+        step's loop, so that every line of that loop is inside the step's handler.)"""
+        try:
+            if draft_state is not None:
+                c.request.draft_state = draft_state
+            self._advance(c, rows, decided)
+        except Exception as e:
+            self._fail(c.request, e)
 
     def _interrupted(self, req: Request, snap: Snapshot) -> None:
         """A request whose booking was cut short: what held, holds (it finished, it failed,
@@ -485,23 +490,20 @@ class Engine:
             req.kv_version = lease.version  # last: after a fault, the next step does it all
         return kv
 
-    def _decide_all(self, chunks: list[Chunk], logits: list[torch.Tensor],
-                    snaps: dict[Request, Snapshot]) -> dict[Request, tuple[list[int], int]]:
+    def _decide_all(self, chunks: list[Chunk],
+                    logits: list[torch.Tensor]) -> dict[Request, tuple[list[int], int]]:
         """Choose the tokens of every chunk that reached its sequence end (sampling,
         verifying drafts) before anything is booked. A request whose choice raises fails
-        alone; an interrupt puts every other request back as it was before the step."""
+        alone; an interrupt puts every other request back as it was before the step (the
+        caller's handler)."""
         decided = {}
         for c, rows in zip(chunks, logits, strict=True):
             if c.end < len(c.request.ids):
                 continue
             try:
-                try:
-                    decided[c.request] = self._decide(c, rows)
-                except Exception as e:
-                    self._fail(c.request, e)
-            except BaseException:
-                _put_back(snaps, list(snaps))
-                raise
+                decided[c.request] = self._decide(c, rows)
+            except Exception as e:
+                self._fail(c.request, e)
         return decided
 
     def _decide(self, c: Chunk, rows: torch.Tensor) -> tuple[list[int], int]:
@@ -587,11 +589,12 @@ class Engine:
             req.result = req.result or self._result(req)
             self._requests.pop(req.id, None)
         first = req.reported == 0
-        new = req.outputs[req.reported:]
-        req.reported = len(req.outputs)
-        self._outbox.append(StepOutput(
-            req.id, new, req.done, req.result,
-            req.cached_by_tier if first else None, req.admitted_at if first else None))
+        out = StepOutput(req.id, req.outputs[req.reported:], req.done, req.result,
+                         req.cached_by_tier if first else None,
+                         req.admitted_at if first else None)
+        # Queued and counted in one statement (an append as a slice store): an interrupt
+        # finds the tokens both queued and counted, or neither, never lost or sent twice.
+        self._outbox[len(self._outbox):], req.reported = [out], len(req.outputs)
 
     def _banned(self, req: Request, ahead: int = 0) -> set[int]:
         """Tokens that may not end the answer yet (min_tokens), `ahead` outputs on."""
@@ -603,10 +606,11 @@ class Engine:
     def _fail(self, req: Request, error: Exception) -> None:
         """End one request whose own booking raised: report the error and free what it
         holds, whatever state it was left in (the step's other requests are not touched)."""
-        req.done, req.error = True, error
+        out = StepOutput(req.id, [], True, None, error=error)
+        # Failed and its error queued in one statement (see `_report`).
+        self._outbox[len(self._outbox):], req.done, req.error = [out], True, error
         self._requests.pop(req.id, None)
         self._counters["failed"] += 1
-        self._outbox.append(StepOutput(req.id, [], True, None, error=error))
         try:
             self.scheduler.abort(req)
         except Exception:  # its lease is detached: free it as an orphan
