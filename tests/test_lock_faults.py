@@ -45,23 +45,37 @@ def _world():
 
 
 @pytest.mark.parametrize("level", ["cache", "tree"])
-def test_a_fault_at_any_line_of_a_lock_locks_all_or_nothing(level):
+def test_a_fault_at_any_line_of_a_lock_locks_all_or_nothing_and_loses_no_lock(level):
+    """All or nothing; and a lock that went through is in the owner's list (`into`), so
+    the owner releases it (before, an interrupt as the lock returned left a lock nobody
+    held: its prefix pinned for good)."""
     cache, a = _world()
     m = cache.match(a)
     arg = m if level == "cache" else m.node
+
+    def lock(c: PrefixCache, target, into: list) -> None:  # type: ignore[no-untyped-def]
+        if level == "cache":
+            c.lock(target, into=into)
+        else:
+            c.tree.lock(target, into)
+
     before = _counts(cache)
     trial = copy.deepcopy((cache, arg))
     with LineFault(LOCK_CODE) as count:
-        (trial[0] if level == "cache" else trial[0].tree).lock(trial[1])
+        lock(*trial, [])
     after = _counts(trial[0])
     assert after != before
     for nth in range(1, count.lines + 1):
         t_cache, t_arg = copy.deepcopy((cache, arg))
-        t_target = t_cache if level == "cache" else t_cache.tree
+        held: list = []
         with pytest.raises(KeyboardInterrupt), LineFault(LOCK_CODE, nth):
-            t_target.lock(t_arg)
+            lock(t_cache, t_arg, held)
         t_cache.check_integrity()  # mends first (a rollback a fault cut short)
-        assert _counts(t_cache) in (before, after), nth
+        live = [h for h in held if not h.released]
+        assert (_counts(t_cache), len(live)) in ((before, 0), (after, 1)), nth
+        for handle in live:  # the owner lets go of what it holds
+            t_cache.unlock(handle)
+        assert _counts(t_cache) == before, nth
 
 
 def test_a_fault_at_any_line_of_an_unlock_is_finished_once():
@@ -110,3 +124,32 @@ def test_a_fault_at_any_line_of_a_split_leaves_the_tree_whole():
         t_cache.flush()
         t_cache.check_integrity()
         assert not any(p.used_pages for p in t_cache.pools.values()), nth
+
+
+def test_a_fault_at_any_line_of_a_transient_lock_never_pins_for_good():
+    """A call's transient lock (an L3 landing's, HostTier.land), taken and ended as the
+    landing does: a fault at any line of it, of the lock or of its end leaves nothing
+    locked for good: once the cache's next operation ran, or, where the fault struck
+    before the landing's end began, once the next landing started. Before, an interrupt
+    as the lock returned (before the landing's try) left it locked, unexpired, for good."""
+    cache, a = _world()
+    before = _counts(cache)
+
+    def landing(c: PrefixCache) -> None:
+        c.begin_transient()
+        try:
+            c.lock(c.match(a), transient=True)
+        finally:
+            c.end_transient()
+
+    code = [*LOCK_CODE, landing, PrefixCache.begin_transient, PrefixCache.end_transient]
+    with LineFault(code) as count:
+        landing(copy.deepcopy(cache))
+    for nth in range(1, count.lines + 1):
+        t_cache = copy.deepcopy(cache)
+        with pytest.raises(KeyboardInterrupt), LineFault(code, nth):
+            landing(t_cache)
+        t_cache.check_integrity()  # mends first: releases what the landing left
+        landing(t_cache)  # the next landing
+        t_cache.check_integrity()
+        assert _counts(t_cache) == before and not t_cache._transient, nth

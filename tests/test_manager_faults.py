@@ -6,7 +6,8 @@ interrupt between an allocation's return and the lease's record of it leaked the
 one after the tree adopted a hand-over's pages but before the lease let go of them had
 the abort free pages the tree still named (the next request would write into them: KV
 corruption); and one between freeing given-up pages and unmarking them had the abort free
-them again (found by an attack with line-level fault sweeps)."""
+them again; and one as a lock returned left it held by nobody, its prefix pinned for
+good (found by an attack with line-level fault sweeps)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from shadowradix.pool.arena import Arena, plan_frames
 from shadowradix.tiers import PrefixCache
 from shadowradix.tiers.manager import CacheManager
 from shadowradix.tree.policy import CheckpointPolicy
+from shadowradix.tree.radix import ShadowRadix
 
 PS = 4
-CODE = [getattr(CacheManager, name) for name in (
+CODE = [*(getattr(CacheManager, name) for name in (
     "admit", "grow", "_alloc", "_file", "_drop_fresh", "cache_prefix", "_hand_over",
-    "_reclaim", "_give_up", "_share_held", "finish") if hasattr(CacheManager, name)]
+    "_reclaim", "_give_up", "_share_held", "finish") if hasattr(CacheManager, name)),
+    PrefixCache.lock, ShadowRadix.lock]
 
 
 def _request(manager: CacheManager, tokens: np.ndarray) -> None:

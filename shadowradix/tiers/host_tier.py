@@ -334,9 +334,10 @@ class HostTier:
         if peek.prefix_len // ps != start:
             return False  # the tiers changed while storage answered
         # Host eviction must not take the prefix we attach to; transient: should the
-        # unlock below fault as it is called, the cache's next operation releases it.
-        handle = cache.lock(peek, transient=True)
+        # unlock below be cut short, the cache's next operation releases it.
+        cache.begin_transient()
         try:
+            cache.lock(peek, transient=True)
             got = cache.alloc({n: stop - start for n in self.names}, HOST)
             if got is None:
                 return False
@@ -355,8 +356,7 @@ class HostTier:
                 raise
             return True
         finally:
-            handle.expired = True
-            cache.unlock(handle)
+            cache.end_transient()
 
     # ------------------------------------------------------------ write-back
     def alloc_device(self, need: Mapping[str, int]) -> dict[str, np.ndarray] | None:

@@ -242,7 +242,7 @@ class CacheManager:
                       prompt=tokens.size if prompt is None else int(prompt))
         self.leases[lease] = None  # registered before any state changes: abort undoes them
         try:
-            lease.handles.append(cache.lock(m))
+            cache.lock(m, into=lease.handles)
             if not self._room(need):
                 self.abort(lease)
                 return None
@@ -435,9 +435,10 @@ class CacheManager:
             held = self.tree.path_table(result.node, DEVICE)[:, start:full]
             self._give_up(pages, own, dups, view, held)
         if not finished:  # it keeps running over the new prefix: the lock moves there
-            lease.handles.append(cache.lock(result))
+            cache.lock(result, into=lease.handles)
             while len(lease.handles) > 1:  # the older lock goes only once the new one holds
-                cache.unlock(lease.handles[0])
+                if not lease.handles[0].released:  # (an unlock cut short before its pop)
+                    cache.unlock(lease.handles[0])
                 lease.handles.pop(0)
             self._share_held(lease)
         if result.tail is not None:  # split off with no resume point left: it goes now
@@ -463,7 +464,7 @@ class CacheManager:
         self.tree.repair(after_fault=True)
         if not finished and node is not None and not node.children and not node.full_lock:
             lease.tail = node  # as after a hand-over: locked while it runs, pruned after
-            lease.handles.append(self.tree.lock(node))
+            self.tree.lock(node, lease.handles)
 
     def _share_held(self, lease: Lease,
                     found: tuple[int, np.ndarray, np.ndarray] | None = None) -> None:

@@ -195,17 +195,33 @@ class PrefixCache:
         """A match without side effects (see ShadowRadix.peek)."""
         return self.tree.peek(tokens)
 
-    def lock(self, target: MatchResult | InsertResult, *,
-             transient: bool = False) -> LockHandle:
-        """Lock the prefix a match returned, or the one an insert just stored. A
-        `transient` lock (one call's, as an L3 landing's) the cache also remembers: once
-        its owner sets `handle.expired` (before it unlocks), the cache's next operation
-        releases it if the unlock did not, so a fault as the unlock is called (nothing of
-        it ran, nobody retries it) never pins the prefix for good."""
-        handle = self.tree.lock(target.node)
-        if transient:
-            self._transient.append(handle)
-        return handle
+    def lock(self, target: MatchResult | InsertResult, *, transient: bool = False,
+             into: list[LockHandle] | None = None) -> LockHandle:
+        """Lock the prefix a match returned, or the one an insert just stored. `into`:
+        the owner's list of handles, which gets it before the lock walk starts (see
+        `ShadowRadix.lock`): the owner unlocks what its list holds unreleased, so an
+        interrupt as the lock returns never pins the prefix for good. A `transient` lock
+        (one call's, as an L3 landing's) goes into the cache's own list instead; its owner
+        calls `begin_transient` before and `end_transient` after: should the end be cut
+        short, the cache's next operation (or, before it began, the next such call)
+        releases it, so it never pins the prefix for good either."""
+        return self.tree.lock(target.node, self._transient if transient else into)
+
+    def begin_transient(self) -> None:
+        """A call that takes transient locks starts (one at a time: an L3 landing). Locks
+        still here belong to calls that are over, whose end was cut short before it
+        began: they expire now (the next operation releases them)."""
+        for handle in self._transient:
+            handle.expired = True
+
+    def end_transient(self) -> None:
+        """The call is done with its transient locks: all are marked expired, then
+        unlocked. Cut short, the cache's next operation finishes it."""
+        for handle in self._transient:
+            handle.expired = True
+        for handle in list(self._transient):
+            if not handle.released:
+                self.unlock(handle)
 
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock; a node it leaves an unlocked leaf with no resume point (a failed

@@ -427,26 +427,33 @@ class ShadowRadix(Eviction):
         return ok
 
     # ------------------------------------------------------------------ locks
-    def lock(self, node: Node) -> LockHandle:
+    def lock(self, node: Node, into: list[LockHandle] | None = None) -> LockHandle:
         """Pin the path root..node (full_lock) and the window and state just before
         node's end (window_lock). Locked shadows are never evicted. A fault halfway
         locks nothing; should the rollback fault too, what it left locked waits in
-        `unwinding` for `finish_rollbacks` (PrefixCache runs it at its next operation)."""
+        `unwinding` for `finish_rollbacks` (PrefixCache runs it at its next operation).
+        `into`: the owner's list of handles, which gets the handle before the walk starts
+        (released until the walk takes its first node), so that an interrupt as the lock
+        returns never leaves a lock nobody holds: the owner unlocks what its list holds
+        unreleased."""
         if not node.alive:
             raise ValueError("cannot lock a node that was evicted")
         handle = LockHandle(node, min(self.rule.lock_pages, node.end_page))
+        if into is not None:
+            into.append(handle)
         try:
             self._lock_walk(handle, +1)
         except BaseException:  # the nodes it locked are unlocked again
-            floor, handle.progress = handle.done_from, (None, None, False)
-            if floor is not None:
+            floor, handle.progress = handle.done_from, (None, None, True)  # holds nothing
+            if floor is not None:  # (by a handle of its own: the owner's stays released)
+                undo = LockHandle(node, handle.window_pages, (None, None, False))
                 try:
-                    self._lock_walk(handle, -1, floor=floor)
+                    self._lock_walk(undo, -1, floor=floor)
                 except BaseException:
-                    # Nobody holds the handle: what the rollback left locked would stay
-                    # pinned for good. `finish_rollbacks` unlocks it from the deepest node
-                    # left (still locked, so it stays in the tree whatever goes below).
-                    self.unwinding.append((self._rest(handle), floor, node))
+                    # What the rollback left locked would stay pinned for good.
+                    # `finish_rollbacks` unlocks it from the deepest node left (still
+                    # locked, so it stays in the tree whatever goes below).
+                    self.unwinding.append((self._rest(undo), floor, node))
                     raise
             raise
         return handle
@@ -459,7 +466,7 @@ class ShadowRadix(Eviction):
             assert node.parent is not None
             node = node.parent
         below = handle.node.end_page - node.end_page
-        return LockHandle(node, max(handle.window_pages - below, 0))
+        return LockHandle(node, max(handle.window_pages - below, 0), (None, None, False))
 
     def finish_rollbacks(self) -> list[Node]:
         """Finish the rollbacks of failed locks that a second fault cut short (see `lock`);

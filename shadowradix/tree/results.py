@@ -189,9 +189,10 @@ class LockHandle:
     # Where a lock or unlock walk got to, in one attribute, so that an interrupt finds it
     # before or after each step, never between two (ShadowRadix._lock_walk): the first page
     # of the last node the walk did (None: none; it resumes above it), the node it is
-    # changing with that node's lock counts from before (None: none), and whether the
-    # unlock walk is through (the handle is released).
-    progress: tuple[int | None, Pending | None, bool] = (None, None, False)
+    # changing with that node's lock counts from before (None: none), and whether it holds
+    # nothing (released: made, before its lock walk takes a node; its unlock walk through;
+    # or its lock rolled back).
+    progress: tuple[int | None, Pending | None, bool] = (None, None, True)
     # Its owner is done with it: set before the unlock, so that a fault as the unlock is
     # called leaves it to the cache (PrefixCache.lock(transient=True)).
     expired: bool = False
