@@ -162,6 +162,27 @@ class LineFault:
         sys.settrace(None)
 
 
+def interrupted_copies(codes: Any, world: Any, run: Any) -> Any:
+    """For every line `run(world)` goes through in `codes`' functions (counted on a copy):
+    a deep copy of `world` that `run` was cut short in by an interrupt at that line,
+    yielded as (nth line, copy) for the caller to check what the fault left."""
+    import copy
+
+    with LineFault(codes) as count:
+        run(copy.deepcopy(world))
+    assert count.lines > 0, "the run went through none of the functions"
+    for nth in range(1, count.lines + 1):
+        trial = copy.deepcopy(world)
+        raised = False
+        with LineFault(codes, nth) as fault:
+            try:
+                run(trial)
+            except KeyboardInterrupt:
+                raised = True
+        assert fault.hit and raised, nth  # it struck, and nothing swallowed it
+        yield nth, trial
+
+
 class CallFault:
     """`kind` raised at the `nth` call of a builtin named `name` (a list's `append`: memory
     running out as the list grows) made from `func`'s own code, while the `with` block

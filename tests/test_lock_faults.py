@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from helpers import LineFault, serve, tiny_layout
+from helpers import LineFault, interrupted_copies, serve, tiny_layout
 
 from shadowradix.tiers import PrefixCache
 from shadowradix.tree.radix import ShadowRadix
@@ -83,14 +83,11 @@ def test_a_fault_at_any_line_of_an_unlock_is_finished_once():
     again (as `unlock` says); either way each node is counted once."""
     cache, a = _world()
     handle = cache.lock(cache.match(a))
-    trial = copy.deepcopy((cache, handle))
-    with LineFault(LOCK_CODE) as count:
-        trial[0].unlock(trial[1])
-    after = _counts(trial[0])
-    for nth in range(1, count.lines + 1):
-        t_cache, t_handle = copy.deepcopy((cache, handle))
-        with pytest.raises(KeyboardInterrupt), LineFault(LOCK_CODE, nth):
-            t_cache.unlock(t_handle)
+    done = copy.deepcopy((cache, handle))
+    done[0].unlock(done[1])
+    after = _counts(done[0])
+    for nth, (t_cache, t_handle) in interrupted_copies(
+            LOCK_CODE, (cache, handle), lambda world: world[0].unlock(world[1])):
         t_cache.check_integrity()  # mends first: finishes the unlock once it began
         if not t_handle.released:  # the fault came first: the caller unlocks again
             t_cache.unlock(t_handle)
@@ -106,18 +103,12 @@ def test_a_fault_at_any_line_of_a_split_leaves_the_tree_whole():
     head into the parent and re-pointing the tail left the tail's parent link broken."""
     from shadowradix.tree.node import Node
 
-    code = [Node.split, ShadowRadix._split]
     cache = PrefixCache(tiny_layout(PS, window=5), 64)
     a = list(range(1, 4 * PS + 2))
     serve(cache, a)
     b = a[:PS] + [99] * (3 * PS) + [7]  # shares a's first page: splits a's node
-    with LineFault(code) as count:
-        serve(copy.deepcopy(cache), b)
-    assert count.lines > 0
-    for nth in range(1, count.lines + 1):
-        t_cache = copy.deepcopy(cache)
-        with pytest.raises(KeyboardInterrupt), LineFault(code, nth):
-            serve(t_cache, b)
+    for nth, t_cache in interrupted_copies([Node.split, ShadowRadix._split], cache,
+                                           lambda c: serve(c, b)):
         t_cache.check_integrity()  # mends first
         serve(t_cache, b)
         t_cache.check_integrity()
@@ -143,12 +134,7 @@ def test_a_fault_at_any_line_of_a_transient_lock_never_pins_for_good():
             c.end_transient()
 
     code = [*LOCK_CODE, landing, PrefixCache.begin_transient, PrefixCache.end_transient]
-    with LineFault(code) as count:
-        landing(copy.deepcopy(cache))
-    for nth in range(1, count.lines + 1):
-        t_cache = copy.deepcopy(cache)
-        with pytest.raises(KeyboardInterrupt), LineFault(code, nth):
-            landing(t_cache)
+    for nth, t_cache in interrupted_copies(code, cache, landing):
         t_cache.check_integrity()  # mends first: releases what the landing left
         landing(t_cache)  # the next landing
         t_cache.check_integrity()

@@ -11,11 +11,9 @@ good (found by an attack with line-level fault sweeps)."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
-from helpers import LineFault, tiny_layout
+from helpers import interrupted_copies, tiny_layout
 
 from shadowradix.pool.arena import Arena, plan_frames
 from shadowradix.tiers import PrefixCache
@@ -57,13 +55,7 @@ def test_a_fault_at_any_line_of_a_request_leaks_nothing_and_frees_nothing_twice(
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50, 6 * PS + 1).astype(np.int32)
     _request(manager, tokens[:3 * PS + 1])  # a cached prefix to match and share
-    with LineFault(CODE) as count:
-        _request(copy.deepcopy(manager), tokens)
-    assert count.lines > 100
-    for nth in range(1, count.lines + 1):
-        trial = copy.deepcopy(manager)
-        with pytest.raises(KeyboardInterrupt), LineFault(CODE, nth):
-            _request(trial, tokens)
+    for nth, trial in interrupted_copies(CODE, manager, lambda m: _request(m, tokens)):
         trial.release_orphans(set())
         trial.check_integrity()
         _request(trial, tokens)  # the request again: it goes through
