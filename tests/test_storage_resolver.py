@@ -148,4 +148,36 @@ def test_an_interrupted_wait_leaves_no_socket_open():
         deadline_mod._connect_by(slow, 5.0, NAME)
     go.set()
     assert wait_for(lambda: bool(made) and made[0].fileno() == -1), "left open"
-    assert wait_for(lambda: deadline_mod._late._value == deadline_mod.MAX_LATE)
+    assert wait_for(lambda: deadline_mod._late[0] == 0)
+
+
+def test_connects_in_time_count_against_no_cap():
+    """Many connects by name at once, each lookup well inside the deadline: all go
+    through (only connects past their deadline count against MAX_LATE). Before, every
+    connect in flight held a slot, so the ninth failed at once as unreachable and opened
+    the breaker of a store that was up (found by an attack)."""
+    n = 3 * deadline_mod.MAX_LATE
+    start = threading.Barrier(n)
+    got: list[object] = []
+
+    def connect() -> socket.socket:
+        time.sleep(0.1)  # a lookup on a busy resolver
+        return socket.socket()
+
+    def caller() -> None:
+        start.wait()
+        try:
+            sock = deadline_mod._connect_by(connect, 5.0, NAME)
+        except TimeoutError as e:
+            got.append(e)
+        else:
+            got.append(sock)
+            sock.close()
+
+    threads = [threading.Thread(target=caller) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(g, socket.socket) for g in got) and len(got) == n, got
+    assert deadline_mod._late[0] == 0

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 _local = threading.local()
 MAX_LATE = 8  # connect threads past their deadline, still waiting on a resolver, at most
-_late = threading.BoundedSemaphore(MAX_LATE)
+_late = [0]  # such threads now (under _late_lock)
+_late_lock = threading.Lock()
 
 
 def check_deadline(seconds: float, name: str = "deadline_s") -> float:
@@ -206,11 +207,13 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
     """`connect()` (a socket) run on a thread of its own and waited on at most `seconds`:
     its name lookup, which takes no timeout, costs at most the call's deadline. A socket
     it makes after that is closed; a fault it raises in time is raised here. Raises
-    TimeoutError (socket.timeout) when late, or at once while `MAX_LATE` earlier connects
-    still wait on the resolver."""
-    if not _late.acquire(blocking=False):
-        raise TimeoutError(f"{MAX_LATE} connects to {host!r} still wait on the name resolver")
-    done, lock = threading.Event(), threading.Lock()
+    TimeoutError (socket.timeout) when late, or at once while `MAX_LATE` connects that
+    outlived their deadline still wait on the resolver (those in time count none)."""
+    with _late_lock:
+        if _late[0] >= MAX_LATE:
+            raise TimeoutError(f"{MAX_LATE} connects to {host!r} still wait on the name "
+                               f"resolver past their deadline")
+    done = threading.Event()
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -218,26 +221,27 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
             box["sock"] = connect()
         except BaseException as err:  # (the waiter raises it, if still waiting)
             box["err"] = err
-        with lock:
+        with _late_lock:
             done.set()
             late = box.get("late", False)
-        _late.release()
+            _late[0] -= late
         if late and "sock" in box:  # nobody waits for it any more
             box.pop("sock").close()
 
     try:
         threading.Thread(target=run, name="storage-connect", daemon=True).start()
     except RuntimeError:  # no thread to be had: in place, the lookup unbounded as before
-        _late.release()
         return connect()
     interrupted = True
     try:
         done.wait(seconds)
         interrupted = False
     finally:
-        with lock:
+        with _late_lock:
             finished = done.is_set()
-            box["late"] = not finished
+            if not finished:  # the thread counts itself out as it ends
+                box["late"] = True
+                _late[0] += 1
         if interrupted and finished and "sock" in box:  # nobody takes it
             box.pop("sock").close()
     if not finished:
