@@ -162,6 +162,59 @@ class LineFault:
         sys.settrace(None)
 
 
+class DoubleFault:
+    """Two interrupts while the `with` block runs: the first at the `nth` line run in
+    `codes`' functions (as LineFault), the second at the `k`th call made after it into or
+    from those functions (a second signal arriving inside the handler of the first: calls
+    are where Python delivers signals). `hits` counts those that struck; `where` says
+    where."""
+
+    def __init__(self, codes: Any, nth: int, k: int) -> None:
+        self.codes = {getattr(c, "__code__", c) for c in codes}
+        self.nth, self.k = nth, k
+        self.lines = self.calls = self.hits = 0
+        self.where: list[str] = []
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not self.hits:
+            self.lines += 1
+            if self.lines == self.nth:
+                import sys
+
+                self.hits = 1
+                self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                sys.setprofile(self._profile)  # (CPython drops a trace that raised)
+                raise KeyboardInterrupt(f"first at {self.where[-1]}")
+        return self._local
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._local if frame.f_code in self.codes else None
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if self.hits != 1 or event != "call":
+            return
+        back = frame.f_back
+        if frame.f_code not in self.codes and (back is None or back.f_code not in self.codes):
+            return
+        self.calls += 1
+        if self.calls == self.k:
+            self.hits = 2
+            self.where.append(f"call {frame.f_code.co_name}")
+            raise KeyboardInterrupt(f"second at {self.where[-1]}")
+
+    def __enter__(self) -> DoubleFault:
+        import sys
+
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import sys
+
+        sys.settrace(None)
+        sys.setprofile(None)
+
+
 def interrupted_copies(codes: Any, world: Any, run: Any) -> Any:
     """For every line `run(world)` goes through in `codes`' functions (counted on a copy):
     a deep copy of `world` that `run` was cut short in by an interrupt at that line,

@@ -67,10 +67,36 @@ class Lease:
     loading: dict[str, np.ndarray] | None = None  # allocated for a load-back not yet filed
     # Allocated and not yet filed in `table` / `own` (`CacheManager._alloc`): abort frees it.
     fresh: dict[str, np.ndarray] | None = None
+    handing: _Handing | None = None  # a hand-over to the tree in flight (`_hand_over`)
     torn: bool = False  # a fault in `shrink` left own pages past `grown_to` in some pools
     tail: Node | None = None  # the deepest node it inserted (pruned at abort if left dead)
     prompt: int = 0  # tokens it was admitted with: where its prompt ends (resume learning)
     live: bool = True
+
+
+@dataclass(eq=False)
+class _Handing:
+    """A hand-over of a lease's pages to the tree, in flight: called, it works out what
+    the tree adopted (`CacheManager._reclaim`: those pages stop being the lease's) once,
+    if it is still the lease's hand-over in flight. The hand-over's own handler calls it,
+    and so do the lease's abort and the cache's next operation (`PrefixCache.settle_first`),
+    whichever comes first: a second fault in the handler never leaves the lease owning
+    pages the tree holds."""
+
+    manager: CacheManager
+    lease: Lease
+    tokens: np.ndarray
+    pages: np.ndarray
+    start: int
+    finished: bool
+    tries: int = 0
+
+    def __call__(self) -> None:
+        if self.lease.handing is self:
+            self.tries += 1
+            self.manager._reclaim(self.lease, self.tokens, self.pages, self.start,
+                                  self.finished, last=self.tries > 2)
+            self.lease.handing = None
 
 
 def flush_device(cache: PrefixCache, host: HostTier | None) -> None:
@@ -329,10 +355,10 @@ class CacheManager:
         need = {n: want[row] - have[row] - (0 if kept is None else int(kept[row].sum()))
                 for row, n in enumerate(self.names)}
         if any(need.values()):
-            got = self._alloc(need, lease) if self._room(need) else None
-            if got is None:
-                return False
             try:
+                got = self._alloc(need, lease) if self._room(need) else None
+                if got is None:
+                    return False
                 self._file(lease, got, have, want, kept)
             except BaseException:  # not filed: they go back (filed, `fresh` is None)
                 self._drop_fresh(lease)
@@ -413,7 +439,13 @@ class CacheManager:
                    start: int, full: int, finished: bool) -> None:
         cache, ps = self.cache, self.page_size
         tokens = np.asarray(tokens[:full * ps], dtype=np.int32)
-        try:  # until the lease no longer calls what the tree adopted its own
+        self._settle(lease)  # (one a fault cut short before)
+        # In flight until the lease no longer calls what the tree adopted its own: noted on
+        # the lease and with the cache, whose next operation settles it should a second
+        # fault cut this one's handler short (before anything can evict what it adopted).
+        handing, first = _Handing(self, lease, tokens, pages, start, finished), cache.settle_first
+        first[len(first):], lease.handing = [handing], handing
+        try:
             result = self.tree.insert(tokens, pages, start, finished=finished,
                                       prompt=lease.prompt)
             lease.tail = None if finished else result.node  # finished: ends at a checkpoint
@@ -425,9 +457,10 @@ class CacheManager:
                 if result.to_free[n].size:
                     dups[row] = given[row] & np.isin(pages[row], result.to_free[n])
             own, view = lease.own[:, start:full], lease.table[:, start:full]
-            own[given & ~dups] = False  # the tree's now
+            adopted = given & ~dups
+            own[adopted], lease.handing = False, None  # the tree's now
         except BaseException:  # (the insert went through or not: it works out which)
-            self._reclaim(lease, tokens, pages, start, finished)
+            self._settle(lease)
             raise
         lease.handed = max(lease.handed, full)
         lease.version += 1
@@ -446,19 +479,30 @@ class CacheManager:
         if self.host is not None:
             self.host.after_insert(result.node)
 
+    @staticmethod
+    def _settle(lease: Lease) -> None:
+        """Finish a hand-over of `lease` a fault cut short (see `_Handing`), if any."""
+        handing = lease.handing
+        if handing is not None:
+            handing()
+
     def _reclaim(self, lease: Lease, tokens: np.ndarray, pages: np.ndarray, start: int,
-                 finished: bool) -> None:
+                 finished: bool, last: bool = True) -> None:
         """An insert that raised may have adopted some of the lease's `pages` (for
         [start, ...)) already: those are the tree's now, so the lease must not free them,
         and the tree makes again what it derives from its nodes (`ShadowRadix.repair`). A
         running request's new leaf has no resume point (the request keeps its window): the
         lease locks it and names it its tail, as a hand-over does: it stays while the
-        request runs, and `abort` prunes it."""
+        request runs, and `abort` prunes it. Should working out what the tree adopted
+        fault, the lease keeps its marks for a retry (the hand-over stays in flight), but
+        on the `last` try: then all it handed counts as the tree's (a leak at worst, never
+        a page with two owners)."""
         handed = lease.own[:, start:start + pages.shape[1]]
         try:
             adopted, node = self.tree.adopted(tokens, pages, start)
-        except BaseException:  # cannot tell: all it handed is the tree's (a leak at worst,
-            handed[pages >= 0] = False  # never a page with two owners)
+        except BaseException:
+            if last:
+                handed[pages >= 0] = False
             raise
         handed[adopted] = False
         self.tree.repair(after_fault=True)
@@ -573,6 +617,7 @@ class CacheManager:
     def abort(self, lease: Lease) -> None:
         """Free the pages that are still the request's own and release its lock.
         Idempotent; safe with copies in flight (whoever reuses a page waits for them)."""
+        self._settle(lease)  # a hand-over a fault cut short: the tree's pages stay the tree's
         if lease.loading is not None:  # allocated for a load-back the tree never took
             loading, lease.loading = lease.loading, None
             self.cache.free(loading)
@@ -604,27 +649,22 @@ class CacheManager:
     def _give_up(self, table: np.ndarray, own: np.ndarray, cells: np.ndarray,
                  view: np.ndarray | None = None, instead: np.ndarray | None = None) -> None:
         """Free the pages `table[cells]` a lease owns (`own`: its own marks over the same
-        columns), pool by pool. A pool's cells are marked not the lease's own and, in the
-        lease's `view` of those columns (if given), name `instead` (the tree's copy; None:
-        -1), then its pages are freed (the pool's free is all or nothing; a fault before
-        it went through marks them back): a fault at any point leaves each pool's pages
-        either the lease's (an abort frees exactly those) or freed, never both."""
+        columns), pool by pool: in one statement a pool's cells are marked not the
+        lease's own, in the lease's `view` of those columns (if given) name `instead`
+        (the tree's copy; None: -1), and its pages join the cache's release queue; then
+        the queue is freed. An interrupt at any point finds each pool's pages the lease's
+        (an abort frees exactly those) or queued, never both, never lost."""
+        queue = self.cache.release_queue
         for row, name in enumerate(self.names):
             mask = cells[row]
-            if np.count_nonzero(mask):
-                pages = table[row][mask]
-                seen = None if view is None else view[row][mask]
-                try:
-                    own[row][mask] = False
-                    if view is not None:
-                        view[row][mask] = -1 if instead is None else instead[row][mask]
-                    self.cache.free({name: pages})
-                except BaseException:
-                    if self.cache.pools[name].in_use(pages).all():  # not freed: the lease's
-                        own[row][mask] = True
-                        if view is not None:
-                            view[row][mask] = seen
-                    raise
+            if np.count_nonzero(mask):  # (all the statement's targets made before it)
+                entry, mine, at = [(DEVICE, name, table[row][mask], False)], own[row], len(queue)
+                if view is None:
+                    queue[at:], mine[mask] = entry, False
+                else:
+                    now, seen = -1 if instead is None else instead[row][mask], view[row]
+                    queue[at:], mine[mask], seen[mask] = entry, False, now
+        self.cache.release_queued()
 
     def private(self, lease: Lease) -> dict[str, np.ndarray]:
         """The request's own pages, per pool."""
@@ -642,10 +682,13 @@ class CacheManager:
         return got
 
     def _drop_fresh(self, lease: Lease) -> None:
-        """Free what `_alloc` gave `lease` and nothing filed (see `Lease.fresh`)."""
-        fresh, lease.fresh = lease.fresh, None
+        """Free what `_alloc` gave `lease` and nothing filed (see `Lease.fresh`): queued
+        in the statement that lets go of them (see `PrefixCache.release_queue`)."""
+        fresh, queue = lease.fresh, self.cache.release_queue
         if fresh is not None:
-            self.cache.free(fresh)
+            gone = [(DEVICE, name, ids, False) for name, ids in fresh.items() if len(ids)]
+            queue[len(queue):], lease.fresh = gone, None
+            self.cache.release_queued()
 
     def _poison(self, pages: dict[str, np.ndarray]) -> None:
         """Debug mode: fill newly allocated pages with NaN, so a request that still reads a
@@ -675,6 +718,8 @@ class CacheManager:
         for lease in self.leases:
             assert lease.live, "a released lease is still registered"
             for n, ids in self.private(lease).items():
+                held[n].append(ids)
+            for n, ids in (lease.fresh or {}).items():  # allocated, not filed yet
                 held[n].append(ids)
         self.cache.check_integrity(
             held={n: np.concatenate(v) if v else np.empty(0, PAGE) for n, v in held.items()})

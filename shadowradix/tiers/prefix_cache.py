@@ -153,6 +153,10 @@ class PrefixCache:
         # and its release loses a page. See `release`.
         self.tree.sink_walks = True
         self._unreleased: list[Any] = self.tree.stranded
+        # Run first by the next operation (`_mend`): hand-overs a fault cut short, whose
+        # owner finishes them before anything may evict what the tree adopted
+        # (CacheManager); each does nothing once its owner finished it.
+        self.settle_first: list[Callable[[], None]] = []
         self._unlocking: list[LockHandle] = []  # unlocks under way (see `unlock`)
         self._transient: list[LockHandle] = []  # locks of one call (see `lock`)
         self.alloc_seconds = 0.0  # time spent in alloc (eviction included), for benchmarks
@@ -625,6 +629,19 @@ class PrefixCache:
             self._queue(result)
         self._release_pending()
 
+    @property
+    def release_queue(self) -> list[Any]:
+        """Pages let go and not yet freed: (tier, pool, pages, evicted) entries (and walks'
+        Freed lists), freed in order at the next release. A holder that lets go of pages
+        appends them here in the statement that lets go (`q[len(q):], held = [entry], None`),
+        so an interrupt finds them held or queued, never lost nor freed twice; then
+        `release_queued` frees them."""
+        return self._unreleased
+
+    def release_queued(self) -> None:
+        """Free what `release_queue` holds (a fault leaves the rest for the next release)."""
+        self._release_pending()
+
     def _queue(self, result: EvictResult) -> None:
         for tier, freed in ((DEVICE, result.freed), (HOST, result.freed_host)):
             for name, pages in freed.items():
@@ -686,6 +703,9 @@ class PrefixCache:
         never ran. Run where an operation starts (match, alloc, evict, check_integrity),
         never inside a hand-over: a running request's new leaf, not locked yet, has no
         resume point."""
+        while self.settle_first:
+            self.settle_first[0]()
+            self.settle_first.pop(0)
         tree = self.tree
         if tree.needs_repair:
             tree.repair()

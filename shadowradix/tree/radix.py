@@ -28,7 +28,18 @@ from shadowradix.tree.lifetime import Ghost, LooseLifetime
 from shadowradix.tree.node import PAGE, Node, leading_equal_pages
 from shadowradix.tree.policy import CheckpointPolicy
 from shadowradix.tree.relocate import PageOwners
-from shadowradix.tree.results import InsertResult, LockHandle, MatchResult, Peek, _Probe
+from shadowradix.tree.results import (
+    FREE,
+    HELD,
+    LOCKING,
+    ROLLING,
+    UNLOCKING,
+    InsertResult,
+    LockHandle,
+    MatchResult,
+    Peek,
+    _Probe,
+)
 from shadowradix.tree.resume import MAX_OFFSET, ResumeOffsets, check_prompt
 from shadowradix.tree.rules import MatchRule
 from shadowradix.tree.stats import TreeStats, count_stats
@@ -88,10 +99,9 @@ class ShadowRadix(Eviction):
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
         self.needs_repair = False  # a repair after a fault was itself cut short (`repair`)
-        # Locks whose rollback a second fault cut short (`lock`): (what is left of it,
-        # floor, the node locked) for `finish_rollbacks`, which the cache's next
-        # operation runs.
-        self.unwinding: list[tuple[LockHandle, int, Node]] = []
+        # Locks whose walk is not through (`lock`): a rollback a fault cut short is
+        # finished by `finish_rollbacks`, which the cache's next operation runs.
+        self.unwinding: list[LockHandle] = []
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
         self.lifetime = LooseLifetime()  # read only under policy.adaptive_lifetime
         # Which node holds each device page, for moving them (an arena's compaction): off
@@ -430,68 +440,71 @@ class ShadowRadix(Eviction):
     def lock(self, node: Node, into: list[LockHandle] | None = None) -> LockHandle:
         """Pin the path root..node (full_lock) and the window and state just before
         node's end (window_lock). Locked shadows are never evicted. A fault halfway
-        locks nothing; should the rollback fault too, what it left locked waits in
-        `unwinding` for `finish_rollbacks` (PrefixCache runs it at its next operation).
-        `into`: the owner's list of handles, which gets the handle before the walk starts
-        (released until the walk takes its first node), so that an interrupt as the lock
-        returns never leaves a lock nobody holds: the owner unlocks what its list holds
-        unreleased."""
+        locks nothing: the lock rolls back (`_roll_back`); should a second fault cut that
+        short, `finish_rollbacks` (PrefixCache runs it at its next operation) or the
+        owner's unlock finishes it. `into`: the owner's list of handles, which gets the
+        handle before the walk starts, so that no interrupt leaves a lock nobody holds:
+        the owner unlocks what its list holds unreleased."""
         if not node.alive:
             raise ValueError("cannot lock a node that was evicted")
         handle = LockHandle(node, min(self.rule.lock_pages, node.end_page))
         if into is not None:
             into.append(handle)
+        self.unwinding.append(handle)  # until its walk is through (see `finish_rollbacks`)
         try:
             self._lock_walk(handle, +1)
         except BaseException:  # the nodes it locked are unlocked again
-            floor, handle.progress = handle.done_from, (None, None, True)  # holds nothing
-            if floor is not None:  # (by a handle of its own: the owner's stays released)
-                undo = LockHandle(node, handle.window_pages, (None, None, False))
-                try:
-                    self._lock_walk(undo, -1, floor=floor)
-                except BaseException:
-                    # What the rollback left locked would stay pinned for good.
-                    # `finish_rollbacks` unlocks it from the deepest node left (still
-                    # locked, so it stays in the tree whatever goes below).
-                    self.unwinding.append((self._rest(undo), floor, node))
-                    raise
+            self._roll_back(handle)
             raise
+        finally:
+            if handle.progress[0] in (HELD, FREE):  # (else the next operation finishes it)
+                self.unwinding.remove(handle)
         return handle
 
-    def _rest(self, handle: LockHandle) -> LockHandle:
-        """What an unlock walk of `handle` a fault cut short has not done, as a handle of
-        its own: on the deepest node it left, with the window pages left above it."""
-        node, done_from = handle.node, handle.done_from
-        while done_from is not None and node is not self.root and node.start_page >= done_from:
-            assert node.parent is not None
-            node = node.parent
-        below = handle.node.end_page - node.end_page
-        return LockHandle(node, max(handle.window_pages - below, 0), (None, None, False))
+    def _roll_back(self, handle: LockHandle) -> None:
+        """Unlock what a lock cut short took (the nodes from the deep end up to the one
+        starting at its `done_from`). The handle turns from locking to rolling back in
+        one store, so whoever finishes it knows which walk it is in."""
+        if handle.progress[0] == LOCKING:
+            self._undo_pending(handle)  # (its handler's, if a second fault cut that short)
+            done = handle.progress[1]  # the rollback walks from the deep end, to there
+            handle.progress = (ROLLING, None, None, handle.node.end_page if done is None else done)
+        if not handle.released:
+            self._lock_walk(handle, -1)
 
     def finish_rollbacks(self) -> list[Node]:
-        """Finish the rollbacks of failed locks that a second fault cut short (see `lock`);
-        the nodes they left and were for (the caller prunes them, as after an unlock)."""
+        """Finish the rollbacks of locks that faults cut short (every lock is noted in
+        `unwinding` until its walk is through); the nodes they were for (the caller
+        prunes them, as after an unlock)."""
         done = []
         while self.unwinding:
-            rest, floor, target = self.unwinding[0]
-            self._lock_walk(rest, -1, floor=floor)
+            handle = self.unwinding[0]
+            if handle.progress[0] in (LOCKING, ROLLING):
+                self._roll_back(handle)
+                done.append(handle.node)
             self.unwinding.pop(0)
-            done += [rest.node, target]
         return done
 
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock taken by `lock`. Raises ValueError when released twice. A fault
-        halfway leaves the handle unreleased: unlocking it again finishes the walk."""
-        if handle.released:
+        halfway leaves the handle unreleased: unlocking it again finishes the walk. A
+        handle whose lock was cut short (and not rolled back yet) is rolled back."""
+        phase = handle.progress[0]
+        if phase == FREE:
             raise ValueError("lock handle already released")
-        self._lock_walk(handle, -1, release=True)
+        if phase in (LOCKING, ROLLING):
+            self._roll_back(handle)
+            return
+        if phase == HELD:
+            handle.progress = (UNLOCKING, None, None, 0)
+        self._lock_walk(handle, -1)
 
-    def _lock_walk(self, handle: LockHandle, step: int, floor: int = 0,
-                   release: bool = False) -> None:
-        """Lock (step +1) or unlock (-1) the path from handle.node up to the node starting
-        at page `floor`, but the nodes a walk a fault cut short did already: those from
-        `handle.done_from` (a page, so a node split since counts as done in both parts).
-        `release`: the walk's end marks the handle released, in the same step.
+    def _lock_walk(self, handle: LockHandle, step: int) -> None:
+        """Lock (step +1) or unlock (-1) the path from handle.node up to the node ending
+        at its phase's floor (0 but when rolling a lock back), but the nodes a walk a
+        fault cut short did already: those from `handle.done_from` (a page, so a node
+        split since counts as done in both parts). A lock walk ends with the handle
+        held, an unlock walk with it free, each in the walk's last store.
 
         Before a node changes, `handle.progress` notes it with its lock counts, in one
         assignment that also counts the node before it as done. A fault after the note
@@ -499,17 +512,22 @@ class ShadowRadix(Eviction):
         tree derives from them, `repair` makes again), so the walk resumes at that node,
         never counting one twice or not at all."""
         self._undo_pending(handle)
-        need = handle.window_pages
-        node: Node | None = handle.node
+        phase, done, at, floor = handle.progress
+        if step > 0:
+            phase, done, at, floor = LOCKING, None, None, 0
+        # Resumed at the node it was changing when a fault struck (locked still, so in the
+        # tree, when the node below it was let go since), or from the handle's own node.
+        node: Node | None = handle.node if at is None else at[0]
+        assert node is not None
+        need = max(handle.window_pages - (handle.node.end_page - node.end_page), 0)
         flip = 0 if step > 0 else 1  # the count at which a page turns pinned / unpinned
-        done = handle.done_from
         try:
             while node is not None and node is not self.root and node.end_page > floor:
                 take = min(need, node.n_pages) if need > 0 else 0
                 if done is None or node.start_page < done:
                     cols = node.window_lock[node.n_pages - take:]
-                    handle.progress = (done, (node, node.full_lock,
-                                              cols.copy() if take else None), False)
+                    handle.progress = (phase, done, (node, node.full_lock,
+                                                     cols.copy() if take else None), floor)
                     if node.full_lock == flip:
                         self._pin(node, None, step)
                     if take and self.window_pin_rows:
@@ -524,24 +542,31 @@ class ShadowRadix(Eviction):
                     done = node.start_page  # (noted with the next node, or at the end)
                 need -= take
                 node = node.parent
-            handle.progress = (None, None, release)
+            handle.progress = (HELD if step > 0 else FREE, None, None, 0)
+            if self.needs_repair:  # it put back a node a fault had cut short: the pins
+                self.repair()  # it moved since are off from those of that node
         except BaseException:
+            self.needs_repair = True  # a store first: made again whatever cuts this short
             self._undo_pending(handle)
             self.repair(after_fault=True)
             raise
 
-    @staticmethod
-    def _undo_pending(handle: LockHandle) -> None:
+    def _undo_pending(self, handle: LockHandle) -> None:
         """Put back the lock counts of the node a walk was changing when a fault struck
-        (idempotent: it writes what they were)."""
-        done, pending, _ = handle.progress
+        (idempotent: it writes what they were), and keep the node as where the walk
+        resumes; what the tree derives from the counts is made again at its next
+        operation."""
+        phase, done, pending, floor = handle.progress
         if pending is None:
             return
         node, full_lock, cols = pending
+        if full_lock is None:
+            return
+        self.needs_repair = True
         node.full_lock = full_lock
         if cols is not None and cols.size <= node.n_pages:
             node.window_lock[node.n_pages - cols.size:] = cols
-        handle.progress = (done, None, False)
+        handle.progress = (phase, done, (node, None, None), floor)
 
     def _pin(self, node: Node, cols: np.ndarray | None, step: int) -> None:
         """Pinned counts as a node's full lock (cols None) or some window locks turn.

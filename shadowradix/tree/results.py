@@ -186,26 +186,28 @@ class LockHandle:
 
     node: Node
     window_pages: int
-    # Where a lock or unlock walk got to, in one attribute, so that an interrupt finds it
-    # before or after each step, never between two (ShadowRadix._lock_walk): the first page
-    # of the last node the walk did (None: none; it resumes above it), the node it is
-    # changing with that node's lock counts from before (None: none), and whether it holds
-    # nothing (released: made, before its lock walk takes a node; its unlock walk through;
-    # or its lock rolled back).
-    progress: tuple[int | None, Pending | None, bool] = (None, None, True)
+    # Where it stands, in one attribute, so that an interrupt finds it before or after
+    # each step of a walk, never between two (ShadowRadix._lock_walk): its phase (FREE:
+    # made, before its lock walk takes a node, or released; LOCKING; HELD; UNLOCKING;
+    # ROLLING: a lock cut short being undone), the first page of the last node its walk
+    # did (None: none; it resumes above it), the node it is changing with that node's
+    # lock counts from before (None: none), and the page its walk stops at (the nodes
+    # ending at or before it are not its own: a rolled-back lock took only the deep ones).
+    progress: tuple[str, int | None, Pending | None, int] = ("free", None, None, 0)
     # Its owner is done with it: set before the unlock, so that a fault as the unlock is
     # called leaves it to the cache (PrefixCache.lock(transient=True)).
     expired: bool = False
 
     @property
     def released(self) -> bool:
-        return self.progress[2]
+        return self.progress[0] == FREE
 
     @property
     def done_from(self) -> int | None:
-        return self.progress[0]
+        return self.progress[1]
 
 
-# A node a lock walk is changing: the node, its full_lock before, and (None: untouched)
-# its last window_lock columns before.
-Pending = tuple[Node, int, "np.ndarray | None"]
+FREE, LOCKING, HELD, UNLOCKING, ROLLING = "free", "locking", "held", "unlocking", "rolling"
+# A node a lock walk is changing: the node, its full_lock before (None: put back already;
+# the walk resumes at the node), and (None: untouched) its last window_lock columns before.
+Pending = tuple[Node, "int | None", "np.ndarray | None"]
