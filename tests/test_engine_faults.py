@@ -29,7 +29,7 @@ STEPS = [
     (ShadowRadix, "match_prefix"), (ShadowRadix, "record"), (ShadowRadix, "lock"),
     (PrefixCache, "alloc"), (HostTier, "load"), (HostTier, "after_match"),
     (CacheManager, "grow"), (CacheManager, "cache_prefix"), (ShadowRadix, "insert"),
-    (PrefixCache, "free"), (HostTier, "backup"), (ShadowRadix, "unlock"),
+    (PrefixCache, "release_queued"), (HostTier, "backup"), (ShadowRadix, "unlock"),
     (CacheManager, "finish"), (CacheManager, "preempt"), (HostTier, "_submit"),
 ]
 
