@@ -88,3 +88,46 @@ def test_a_second_interrupt_in_a_managers_handler_leaks_nothing_and_frees_nothin
         trial.check_integrity()
         assert not {n: p.used_pages for n, p in trial.cache.pools.items() if p.used_pages}, where
     assert tried > 100
+
+
+def test_an_unlock_cut_short_twice_then_a_split_of_its_node_counts_once():
+    """An unlock walk cut short with a node's counts changed, its handler cut short too
+    (the counts not put back), then an insert splits that node before the walk resumes:
+    before, the new head copied the changed counts, only the tail was put back, and the
+    resumed walk counted the head down twice (another request's lock on it gone: its
+    pages evictable while it reads them). Splits now put back such a walk's node first."""
+    cache, a = _world()
+    held: list = []
+    cache.lock(cache.match(a), into=held)
+    d = a[:PS] + [78] * PS + [9]  # diverges inside the first node of a's path: a split
+    got = cache.alloc({p.name: 2 for p in cache.layout.pools})
+    pages = np.stack([got[p.name] for p in cache.layout.pools])
+    codes = [*LOCK_CODE, *(getattr(ShadowRadix, name) for name in ("_roll_back", "repair")
+                           if hasattr(ShadowRadix, name))]
+
+    def insert_d(c: PrefixCache, pg: np.ndarray) -> None:  # as a hand-over does
+        result = c.tree.insert(np.asarray(d, np.int32), pg, 0)
+        c.free({p.name: result.to_free[p.name] for p in c.layout.pools})
+
+    ref, ref_held, ref_pages = copy.deepcopy((cache, held, pages))
+    ref.unlock(ref_held[0])
+    insert_d(ref, ref_pages)
+    want = _counts(ref)
+    with LineFault(codes) as count:
+        copy.deepcopy(cache).unlock(copy.deepcopy(held)[0])
+    tried = 0
+    for nth in range(1, count.lines + 1):
+        c, h, pg = copy.deepcopy((cache, held, pages))
+        with DoubleFault(codes, nth, 1) as fault, contextlib.suppress(KeyboardInterrupt):
+            c.unlock(h[0])
+        phase, _, pending, _ = h[0].progress
+        if fault.hits < 2 or phase == "free" or pending is None or pending[1] is None:
+            continue  # wanted: a node's counts changed and not put back
+        tried += 1
+        insert_d(c, pg)
+        c.check_integrity()  # the cache's next operation mends first
+        if not h[0].released:
+            c.unlock(h[0])  # the owner's retry
+        c.check_integrity()
+        assert _counts(c) == want, fault.where
+    assert tried

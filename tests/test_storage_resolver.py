@@ -7,6 +7,7 @@ Valkey's address; the server, the client and the sockets are real."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import socket
 import threading
 import time
@@ -39,6 +40,10 @@ class SlowResolver:
             return real("127.0.0.1", port, *args, **kwargs)
 
         monkeypatch.setattr(socket, "getaddrinfo", lookup)
+
+
+def _late_threads() -> int:
+    return sum(t.name == deadline_mod._LATE for t in threading.enumerate())
 
 
 def clients(server) -> int:  # type: ignore[no-untyped-def]
@@ -148,7 +153,7 @@ def test_an_interrupted_wait_leaves_no_socket_open():
         deadline_mod._connect_by(slow, 5.0, NAME)
     go.set()
     assert wait_for(lambda: bool(made) and made[0].fileno() == -1), "left open"
-    assert wait_for(lambda: deadline_mod._late[0] == 0)
+    assert wait_for(lambda: _late_threads() == 0)
 
 
 def test_connects_in_time_count_against_no_cap():
@@ -180,4 +185,47 @@ def test_connects_in_time_count_against_no_cap():
     for t in threads:
         t.join()
     assert all(isinstance(g, socket.socket) for g in got) and len(got) == n, got
-    assert deadline_mod._late[0] == 0
+    assert _late_threads() == 0
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])  # in time; past the deadline
+def test_an_interrupt_at_any_line_of_a_connect_by_name_holds_nothing(delay):
+    """Whatever line of a connect by name (the waiter's or its thread's) an interrupt
+    strikes, nothing is held: the next connect goes through at once, no late thread is
+    left once lookups end, and no socket stays open but one the interrupt left to the
+    garbage collector (which closes it). Before, a lock held across the waiter's
+    bookkeeping stayed held when the interrupt struck at its exit, and every later
+    connect hung (found by an attack)."""
+    import gc
+    import weakref
+
+    from helpers import LineFault
+
+    made: list[weakref.ref] = []
+
+    def connect() -> socket.socket:
+        time.sleep(delay)
+        sock = socket.socket()
+        made.append(weakref.ref(sock))
+        return sock
+
+    def open_sockets() -> int:
+        gc.collect()
+        return sum(1 for ref in made if (s := ref()) is not None and s.fileno() != -1)
+
+    code = [deadline_mod._connect_by,
+            *(c for c in deadline_mod._connect_by.__code__.co_consts if hasattr(c, "co_name"))]
+    with LineFault(code) as count, contextlib.suppress(TimeoutError):
+        deadline_mod._connect_by(connect, 0.15, NAME).close()
+    for nth in range(1, count.lines + 1):
+        got = None
+        with LineFault(code, nth), contextlib.suppress(KeyboardInterrupt, TimeoutError):
+            got = deadline_mod._connect_by(connect, 0.15, NAME)
+        if got is not None:  # returned: the caller's
+            got.close()
+            del got
+        assert wait_for(lambda: open_sockets() == 0, 5), nth
+        assert wait_for(lambda: _late_threads() == 0, 5), nth
+        t0 = time.monotonic()
+        deadline_mod._connect_by(socket.socket, 1.0, NAME).close()
+        assert time.monotonic() - t0 < 0.5, nth

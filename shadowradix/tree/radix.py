@@ -473,14 +473,17 @@ class ShadowRadix(Eviction):
             self._lock_walk(handle, -1)
 
     def finish_rollbacks(self) -> list[Node]:
-        """Finish the rollbacks of locks that faults cut short (every lock is noted in
-        `unwinding` until its walk is through); the nodes they were for (the caller
-        prunes them, as after an unlock)."""
+        """Finish the walks that faults cut short (every lock and unlock is noted in
+        `unwinding` until its walk is through): a lock's rollback, an unlock; the nodes
+        they were for (the caller prunes them, as after an unlock)."""
         done = []
         while self.unwinding:
             handle = self.unwinding[0]
             if handle.progress[0] in (LOCKING, ROLLING):
                 self._roll_back(handle)
+                done.append(handle.node)
+            elif handle.progress[0] == UNLOCKING:
+                self._lock_walk(handle, -1)
                 done.append(handle.node)
             self.unwinding.pop(0)
         return done
@@ -497,7 +500,12 @@ class ShadowRadix(Eviction):
             return
         if phase == HELD:
             handle.progress = (UNLOCKING, None, None, 0)
-        self._lock_walk(handle, -1)
+        self.unwinding.append(handle)  # until its walk is through (see `_split`)
+        try:
+            self._lock_walk(handle, -1)
+        finally:
+            if handle.released:  # (else the next operation, or the owner, finishes it)
+                self.unwinding.remove(handle)
 
     def _lock_walk(self, handle: LockHandle, step: int) -> None:
         """Lock (step +1) or unlock (-1) the path from handle.node up to the node ending
@@ -743,6 +751,8 @@ class ShadowRadix(Eviction):
                     host=np.full((self.n_pools, n), -1, PAGE) if self.tiers > 1 else None)
 
     def _split(self, node: Node, j: int) -> Node:
+        for handle in self.unwinding:  # a walk two faults cut short: its node's counts
+            self._undo_pending(handle)  # back first, or the head would copy changed ones
         try:
             head = node.split(j, self.page_size)  # all or nothing
             if self.owners is not None:

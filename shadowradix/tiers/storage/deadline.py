@@ -39,8 +39,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 _local = threading.local()
 MAX_LATE = 8  # connect threads past their deadline, still waiting on a resolver, at most
-_late = [0]  # such threads now (under _late_lock)
-_late_lock = threading.Lock()
+_LATE = "storage-connect (late)"  # the name such a thread takes
 
 
 def check_deadline(seconds: float, name: str = "deadline_s") -> float:
@@ -208,11 +207,14 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
     its name lookup, which takes no timeout, costs at most the call's deadline. A socket
     it makes after that is closed; a fault it raises in time is raised here. Raises
     TimeoutError (socket.timeout) when late, or at once while `MAX_LATE` connects that
-    outlived their deadline still wait on the resolver (those in time count none)."""
-    with _late_lock:
-        if _late[0] >= MAX_LATE:
-            raise TimeoutError(f"{MAX_LATE} connects to {host!r} still wait on the name "
-                               f"resolver past their deadline")
+    outlived their deadline still wait on the resolver (those in time count none; the
+    cap is checked, not reserved, so connects begun together may pass it by their
+    number). No lock is held: which side is first, the waiter giving up or the thread
+    ending, is one atomic `setdefault`, and a late thread counts by its name while it
+    lives, so an interrupt anywhere leaves nothing held or miscounted."""
+    if sum(t.name == _LATE for t in threading.enumerate()) >= MAX_LATE:
+        raise TimeoutError(f"{MAX_LATE} connects to {host!r} still wait on the name "
+                           f"resolver past their deadline")
     done = threading.Event()
     box: dict[str, Any] = {}
 
@@ -221,32 +223,35 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
             box["sock"] = connect()
         except BaseException as err:  # (the waiter raises it, if still waiting)
             box["err"] = err
-        with _late_lock:
-            done.set()
-            late = box.get("late", False)
-            _late[0] -= late
-        if late and "sock" in box:  # nobody waits for it any more
-            box.pop("sock").close()
+        if box.setdefault("state", "done") == "late" and "sock" in box:
+            box.pop("sock").close()  # nobody waits for it any more
+        done.set()
 
+    thread = threading.Thread(target=run, name="storage-connect", daemon=True)
+    waited = False
     try:
-        threading.Thread(target=run, name="storage-connect", daemon=True).start()
-    except RuntimeError:  # no thread to be had: in place, the lookup unbounded as before
-        return connect()
-    interrupted = True
-    try:
-        done.wait(seconds)
-        interrupted = False
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: in place, the lookup unbounded as before
+            box["state"] = "in place"
+        else:
+            done.wait(seconds)
+            waited = True
     finally:
-        with _late_lock:
-            finished = done.is_set()
-            if not finished:  # the thread counts itself out as it ends
-                box["late"] = True
-                _late[0] += 1
-        if interrupted and finished and "sock" in box:  # nobody takes it
+        if box.setdefault("state", "late") == "late":
+            thread.name = _LATE  # counted while it lives; it closes what it makes
+        elif not waited and "sock" in box:  # it came in time, and nobody takes it
             box.pop("sock").close()
-    if not finished:
-        raise TimeoutError(f"connecting to {host!r} (its name lookup included) took longer "
-                           f"than the call's deadline")
-    if "err" in box:
-        raise box.pop("err")
-    return box.pop("sock")
+    if box["state"] == "in place":
+        return connect()
+    try:
+        if box["state"] == "late":
+            raise TimeoutError(f"connecting to {host!r} (its name lookup included) took "
+                               f"longer than the call's deadline")
+        done.wait()  # (set just after its state: at once)
+        if "err" in box:
+            raise box.pop("err")
+        return box.pop("sock")
+    finally:  # (an interrupt before the return: nobody takes it)
+        if "sock" in box:
+            box.pop("sock").close()
