@@ -131,3 +131,45 @@ def test_an_unlock_cut_short_twice_then_a_split_of_its_node_counts_once():
         c.check_integrity()
         assert _counts(c) == want, fault.where
     assert tried
+
+
+def test_an_unlock_cut_short_twice_then_another_lock_over_its_node_holds():
+    """The same unlock cut short twice, then a hand-over locks the same prefix before the
+    walk resumes (an insert and a lock run no mend first): before, the resumed walk wrote
+    back the counts it had saved, erasing the new lock's count on that node (held by
+    nobody there: its pages evictable while read). Every walk now puts back such a node
+    before it changes any count."""
+    cache, a = _world()
+    held: list = []
+    cache.lock(cache.match(a), into=held)
+    got = cache.alloc({p.name: len(a) // PS for p in cache.layout.pools})
+    pages = np.stack([got[p.name] for p in cache.layout.pools])
+    codes = [*LOCK_CODE, *(getattr(ShadowRadix, name) for name in ("_roll_back", "repair")
+                           if hasattr(ShadowRadix, name))]
+
+    def hand_over(c: PrefixCache, pg: np.ndarray) -> None:  # insert, then lock: no mend
+        result = c.insert(np.asarray(a, np.int32), pg, 0)  # (a is there: nothing adopted)
+        c.lock(result, into=[])
+
+    ref, ref_held, ref_pages = copy.deepcopy((cache, held, pages))
+    ref.unlock(ref_held[0])
+    hand_over(ref, ref_pages)
+    want = _counts(ref)
+    with LineFault(codes) as count:
+        copy.deepcopy(cache).unlock(copy.deepcopy(held)[0])
+    tried = 0
+    for nth in range(1, count.lines + 1):
+        c, h, pg = copy.deepcopy((cache, held, pages))
+        with DoubleFault(codes, nth, 1) as fault, contextlib.suppress(KeyboardInterrupt):
+            c.unlock(h[0])
+        phase, _, pending, _ = h[0].progress
+        if fault.hits < 2 or phase == "free" or pending is None or pending[1] is None:
+            continue  # wanted: a node's counts changed and not put back
+        tried += 1
+        hand_over(c, pg)
+        c.check_integrity()  # the cache's next operation mends first
+        if not h[0].released:
+            c.unlock(h[0])
+        c.check_integrity()
+        assert _counts(c) == want, fault.where
+    assert tried

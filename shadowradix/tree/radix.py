@@ -518,8 +518,10 @@ class ShadowRadix(Eviction):
         assignment that also counts the node before it as done. A fault after the note
         puts the node's lock counts back as they were (they are all it changes; what the
         tree derives from them, `repair` makes again), so the walk resumes at that node,
-        never counting one twice or not at all."""
-        self._undo_pending(handle)
+        never counting one twice or not at all. Every walk two faults cut short puts its
+        node back first (`_put_back_all`): restored after another walk's change, its
+        counts from before would undo that one."""
+        self._put_back_all(handle)
         phase, done, at, floor = handle.progress
         if step > 0:
             phase, done, at, floor = LOCKING, None, None, 0
@@ -558,6 +560,14 @@ class ShadowRadix(Eviction):
             self._undo_pending(handle)
             self.repair(after_fault=True)
             raise
+
+    def _put_back_all(self, handle: LockHandle | None = None) -> None:
+        """Put back the node of every walk not through (`unwinding`, and `handle`) that a
+        fault left changed: before any other change to a node's lock counts or shape."""
+        if handle is not None:
+            self._undo_pending(handle)
+        for other in self.unwinding:
+            self._undo_pending(other)
 
     def _undo_pending(self, handle: LockHandle) -> None:
         """Put back the lock counts of the node a walk was changing when a fault struck
@@ -751,8 +761,7 @@ class ShadowRadix(Eviction):
                     host=np.full((self.n_pools, n), -1, PAGE) if self.tiers > 1 else None)
 
     def _split(self, node: Node, j: int) -> Node:
-        for handle in self.unwinding:  # a walk two faults cut short: its node's counts
-            self._undo_pending(handle)  # back first, or the head would copy changed ones
+        self._put_back_all()  # (or the new head would copy a half-done walk's counts)
         try:
             head = node.split(j, self.page_size)  # all or nothing
             if self.owners is not None:

@@ -223,8 +223,8 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
             box["sock"] = connect()
         except BaseException as err:  # (the waiter raises it, if still waiting)
             box["err"] = err
-        if box.setdefault("state", "done") == "late" and "sock" in box:
-            box.pop("sock").close()  # nobody waits for it any more
+        if box.setdefault("state", "done") == "late":
+            _close(box)  # nobody waits for it any more
         done.set()
 
     thread = threading.Thread(target=run, name="storage-connect", daemon=True)
@@ -240,8 +240,8 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
     finally:
         if box.setdefault("state", "late") == "late":
             thread.name = _LATE  # counted while it lives; it closes what it makes
-        elif not waited and "sock" in box:  # it came in time, and nobody takes it
-            box.pop("sock").close()
+        elif not waited:  # it came in time, and nobody takes it
+            _close(box)
     if box["state"] == "in place":
         return connect()
     try:
@@ -253,5 +253,11 @@ def _connect_by(connect: Callable[[], Any], seconds: float, host: str) -> Any:
             raise box.pop("err")
         return box.pop("sock")
     finally:  # (an interrupt before the return: nobody takes it)
-        if "sock" in box:
-            box.pop("sock").close()
+        _close(box)
+
+
+def _close(box: dict[str, Any]) -> None:
+    """Close the socket in `box`, if any: whoever pops it first (one atomic pop) closes it."""
+    sock = box.pop("sock", None)
+    if sock is not None:
+        sock.close()
