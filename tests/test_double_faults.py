@@ -90,28 +90,20 @@ def test_a_second_interrupt_in_a_managers_handler_leaks_nothing_and_frees_nothin
     assert tried > 100
 
 
-def test_an_unlock_cut_short_twice_then_a_split_of_its_node_counts_once():
-    """An unlock walk cut short with a node's counts changed, its handler cut short too
-    (the counts not put back), then an insert splits that node before the walk resumes:
-    before, the new head copied the changed counts, only the tail was put back, and the
-    resumed walk counted the head down twice (another request's lock on it gone: its
-    pages evictable while it reads them). Splits now put back such a walk's node first."""
+def _unlock_cut_short_twice_then(pages_for, then) -> None:  # type: ignore[no-untyped-def]
+    """An unlock of `a` cut short twice with a node's counts changed and not put back,
+    then `then(cache, pages)` (before anything mends), then the mend and the owner's
+    retry: every count as after a clean unlock and `then`."""
     cache, a = _world()
     held: list = []
     cache.lock(cache.match(a), into=held)
-    d = a[:PS] + [78] * PS + [9]  # diverges inside the first node of a's path: a split
-    got = cache.alloc({p.name: 2 for p in cache.layout.pools})
+    got = cache.alloc({p.name: pages_for(a) for p in cache.layout.pools})
     pages = np.stack([got[p.name] for p in cache.layout.pools])
     codes = [*LOCK_CODE, *(getattr(ShadowRadix, name) for name in ("_roll_back", "repair")
                            if hasattr(ShadowRadix, name))]
-
-    def insert_d(c: PrefixCache, pg: np.ndarray) -> None:  # as a hand-over does
-        result = c.tree.insert(np.asarray(d, np.int32), pg, 0)
-        c.free({p.name: result.to_free[p.name] for p in c.layout.pools})
-
     ref, ref_held, ref_pages = copy.deepcopy((cache, held, pages))
     ref.unlock(ref_held[0])
-    insert_d(ref, ref_pages)
+    then(ref, ref_pages, a)
     want = _counts(ref)
     with LineFault(codes) as count:
         copy.deepcopy(cache).unlock(copy.deepcopy(held)[0])
@@ -124,7 +116,7 @@ def test_an_unlock_cut_short_twice_then_a_split_of_its_node_counts_once():
         if fault.hits < 2 or phase == "free" or pending is None or pending[1] is None:
             continue  # wanted: a node's counts changed and not put back
         tried += 1
-        insert_d(c, pg)
+        then(c, pg, a)
         c.check_integrity()  # the cache's next operation mends first
         if not h[0].released:
             c.unlock(h[0])  # the owner's retry
@@ -133,43 +125,30 @@ def test_an_unlock_cut_short_twice_then_a_split_of_its_node_counts_once():
     assert tried
 
 
+def test_an_unlock_cut_short_twice_then_a_split_of_its_node_counts_once():
+    """An unlock walk cut short with a node's counts changed, its handler cut short too
+    (the counts not put back), then an insert splits that node before the walk resumes:
+    before, the new head copied the changed counts, only the tail was put back, and the
+    resumed walk counted the head down twice (another request's lock on it gone: its
+    pages evictable while it reads them). Splits now put back such a walk's node first."""
+
+    def insert_splitting(c: PrefixCache, pg: np.ndarray, a: list[int]) -> None:
+        d = a[:PS] + [78] * PS + [9]  # diverges inside the first node of a's path
+        result = c.tree.insert(np.asarray(d, np.int32), pg, 0)  # as a hand-over does
+        c.free({p.name: result.to_free[p.name] for p in c.layout.pools})
+
+    _unlock_cut_short_twice_then(lambda a: 2, insert_splitting)
+
+
 def test_an_unlock_cut_short_twice_then_another_lock_over_its_node_holds():
     """The same unlock cut short twice, then a hand-over locks the same prefix before the
     walk resumes (an insert and a lock run no mend first): before, the resumed walk wrote
     back the counts it had saved, erasing the new lock's count on that node (held by
     nobody there: its pages evictable while read). Every walk now puts back such a node
     before it changes any count."""
-    cache, a = _world()
-    held: list = []
-    cache.lock(cache.match(a), into=held)
-    got = cache.alloc({p.name: len(a) // PS for p in cache.layout.pools})
-    pages = np.stack([got[p.name] for p in cache.layout.pools])
-    codes = [*LOCK_CODE, *(getattr(ShadowRadix, name) for name in ("_roll_back", "repair")
-                           if hasattr(ShadowRadix, name))]
 
-    def hand_over(c: PrefixCache, pg: np.ndarray) -> None:  # insert, then lock: no mend
+    def hand_over(c: PrefixCache, pg: np.ndarray, a: list[int]) -> None:
         result = c.insert(np.asarray(a, np.int32), pg, 0)  # (a is there: nothing adopted)
-        c.lock(result, into=[])
+        c.lock(result, into=[])  # then a lock, no mend between
 
-    ref, ref_held, ref_pages = copy.deepcopy((cache, held, pages))
-    ref.unlock(ref_held[0])
-    hand_over(ref, ref_pages)
-    want = _counts(ref)
-    with LineFault(codes) as count:
-        copy.deepcopy(cache).unlock(copy.deepcopy(held)[0])
-    tried = 0
-    for nth in range(1, count.lines + 1):
-        c, h, pg = copy.deepcopy((cache, held, pages))
-        with DoubleFault(codes, nth, 1) as fault, contextlib.suppress(KeyboardInterrupt):
-            c.unlock(h[0])
-        phase, _, pending, _ = h[0].progress
-        if fault.hits < 2 or phase == "free" or pending is None or pending[1] is None:
-            continue  # wanted: a node's counts changed and not put back
-        tried += 1
-        hand_over(c, pg)
-        c.check_integrity()  # the cache's next operation mends first
-        if not h[0].released:
-            c.unlock(h[0])
-        c.check_integrity()
-        assert _counts(c) == want, fault.where
-    assert tried
+    _unlock_cut_short_twice_then(lambda a: len(a) // PS, hand_over)
