@@ -122,7 +122,7 @@ class HostTier:
                 fill[row, cells] = dst
                 copies.append((name, HOST, match.host_table[row, cells], dst))
         self._submit(copies)  # before the tree adopts the pages: a copy never submitted
-        given = dict(pages)  # must not leave them looking loaded
+        given = dict(pages)  # must not leave them looking loaded (the holder, for a fault)
         try:
             self.tree.fill(match.node, fill, DEVICE)
             pages.clear()  # the tree's now

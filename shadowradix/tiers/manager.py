@@ -28,7 +28,7 @@ exactly what is still the request's, whatever raised in between.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -97,6 +97,11 @@ class _Handing:
             self.manager._reclaim(self.lease, self.tokens, self.pages, self.start,
                                   self.finished, last=self.tries > 2)
             self.lease.handing = None
+
+
+def _queued(pages: Mapping[str, np.ndarray]) -> list[tuple[int, str, np.ndarray, bool]]:
+    """Device pages per pool as entries of the cache's release queue (not evictions)."""
+    return [(DEVICE, name, ids, False) for name, ids in pages.items() if len(ids)]
 
 
 def flush_device(cache: PrefixCache, host: HostTier | None) -> None:
@@ -462,6 +467,8 @@ class CacheManager:
         except BaseException:  # (the insert went through or not: it works out which)
             self._settle(lease)
             raise
+        if first and first[-1] is handing:  # settled: the cache need not keep it
+            first.pop()
         lease.handed = max(lease.handed, full)
         lease.version += 1
         if np.count_nonzero(dups):
@@ -618,9 +625,10 @@ class CacheManager:
         """Free the pages that are still the request's own and release its lock.
         Idempotent; safe with copies in flight (whoever reuses a page waits for them)."""
         self._settle(lease)  # a hand-over a fault cut short: the tree's pages stay the tree's
+        queue = self.cache.release_queue
         if lease.loading is not None:  # allocated for a load-back the tree never took
-            loading, lease.loading = lease.loading, None
-            self.cache.free(loading)
+            queue[len(queue):], lease.loading = _queued(lease.loading), None
+            self.cache.release_queued()
         self._drop_fresh(lease)
         if lease.own.any():
             self._give_up(lease.table, lease.own, lease.own.copy())
@@ -658,7 +666,7 @@ class CacheManager:
         for row, name in enumerate(self.names):
             mask = cells[row]
             if np.count_nonzero(mask):  # (all the statement's targets made before it)
-                entry, mine, at = [(DEVICE, name, table[row][mask], False)], own[row], len(queue)
+                entry, mine, at = _queued({name: table[row][mask]}), own[row], len(queue)
                 if view is None:
                     queue[at:], mine[mask] = entry, False
                 else:
@@ -684,10 +692,9 @@ class CacheManager:
     def _drop_fresh(self, lease: Lease) -> None:
         """Free what `_alloc` gave `lease` and nothing filed (see `Lease.fresh`): queued
         in the statement that lets go of them (see `PrefixCache.release_queue`)."""
-        fresh, queue = lease.fresh, self.cache.release_queue
-        if fresh is not None:
-            gone = [(DEVICE, name, ids, False) for name, ids in fresh.items() if len(ids)]
-            queue[len(queue):], lease.fresh = gone, None
+        queue = self.cache.release_queue
+        if lease.fresh is not None:
+            queue[len(queue):], lease.fresh = _queued(lease.fresh), None
             self.cache.release_queued()
 
     def _poison(self, pages: dict[str, np.ndarray]) -> None:

@@ -221,8 +221,7 @@ class PrefixCache:
     def end_transient(self) -> None:
         """The call is done with its transient locks: all are marked expired, then
         unlocked. Cut short, the cache's next operation finishes it."""
-        for handle in self._transient:
-            handle.expired = True
+        self.begin_transient()  # (expires them all)
         for handle in list(self._transient):
             if not handle.released:
                 self.unlock(handle)

@@ -99,7 +99,7 @@ class ShadowRadix(Eviction):
         self._whole_full_pin = self.tiers == 1 and tomb
         self._n_nodes = 1
         self.needs_repair = False  # a repair after a fault was itself cut short (`repair`)
-        # Locks whose walk is not through (`lock`): a rollback a fault cut short is
+        # Lock and unlock walks not through (`_noted_walk`): what a fault cut short is
         # finished by `finish_rollbacks`, which the cache's next operation runs.
         self.unwinding: list[LockHandle] = []
         self.resume = ResumeOffsets()  # read only under policy.learn_resume
@@ -450,16 +450,24 @@ class ShadowRadix(Eviction):
         handle = LockHandle(node, min(self.rule.lock_pages, node.end_page))
         if into is not None:
             into.append(handle)
-        self.unwinding.append(handle)  # until its walk is through (see `finish_rollbacks`)
+        self._noted_walk(handle, +1)
+        return handle
+
+    def _noted_walk(self, handle: LockHandle, step: int) -> None:
+        """`_lock_walk`, the handle noted in `unwinding` until its walk is through (held or
+        free): what a fault leaves half done, the next operation finishes
+        (`finish_rollbacks`), and a split or another walk puts its node back first
+        (`_put_back_all`). A lock cut short rolls back."""
+        self.unwinding.append(handle)
         try:
-            self._lock_walk(handle, +1)
-        except BaseException:  # the nodes it locked are unlocked again
-            self._roll_back(handle)
+            self._lock_walk(handle, step)
+        except BaseException:
+            if step > 0:  # the nodes it locked are unlocked again
+                self._roll_back(handle)
             raise
         finally:
-            if handle.progress[0] in (HELD, FREE):  # (else the next operation finishes it)
+            if handle.progress[0] in (HELD, FREE):
                 self.unwinding.remove(handle)
-        return handle
 
     def _roll_back(self, handle: LockHandle) -> None:
         """Unlock what a lock cut short took (the nodes from the deep end up to the one
@@ -500,12 +508,7 @@ class ShadowRadix(Eviction):
             return
         if phase == HELD:
             handle.progress = (UNLOCKING, None, None, 0)
-        self.unwinding.append(handle)  # until its walk is through (see `_split`)
-        try:
-            self._lock_walk(handle, -1)
-        finally:
-            if handle.released:  # (else the next operation, or the owner, finishes it)
-                self.unwinding.remove(handle)
+        self._noted_walk(handle, -1)
 
     def _lock_walk(self, handle: LockHandle, step: int) -> None:
         """Lock (step +1) or unlock (-1) the path from handle.node up to the node ending

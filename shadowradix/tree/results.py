@@ -178,6 +178,12 @@ def joined(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if arrays else np.empty(0, PAGE)
 
 
+FREE, LOCKING, HELD, UNLOCKING, ROLLING = "free", "locking", "held", "unlocking", "rolling"
+# A node a lock walk is changing: the node, its full_lock before (None: put back already;
+# the walk resumes at the node), and (None: untouched) its last window_lock columns before.
+Pending = tuple[Node, "int | None", "np.ndarray | None"]
+
+
 @dataclass(eq=False)
 class LockHandle:
     """One lock on the path root..node, with the window and checkpoint just before it.
@@ -193,7 +199,7 @@ class LockHandle:
     # did (None: none; it resumes above it), the node it is changing with that node's
     # lock counts from before (None: none), and the page its walk stops at (the nodes
     # ending at or before it are not its own: a rolled-back lock took only the deep ones).
-    progress: tuple[str, int | None, Pending | None, int] = ("free", None, None, 0)
+    progress: tuple[str, int | None, Pending | None, int] = (FREE, None, None, 0)
     # Its owner is done with it: set before the unlock, so that a fault as the unlock is
     # called leaves it to the cache (PrefixCache.lock(transient=True)).
     expired: bool = False
@@ -206,8 +212,3 @@ class LockHandle:
     def done_from(self) -> int | None:
         return self.progress[1]
 
-
-FREE, LOCKING, HELD, UNLOCKING, ROLLING = "free", "locking", "held", "unlocking", "rolling"
-# A node a lock walk is changing: the node, its full_lock before (None: put back already;
-# the walk resumes at the node), and (None: untouched) its last window_lock columns before.
-Pending = tuple[Node, "int | None", "np.ndarray | None"]

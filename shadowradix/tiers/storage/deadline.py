@@ -20,9 +20,9 @@ Resolving the store's host name (`getaddrinfo`, inside redis-py's connect) takes
 timeout at all: a resolver that stalls would hold the call for as long as it likes. A
 connection to a host given by name is therefore made on a thread of its own, by a copy of
 the connection (whose timeouts nothing else changes), and waited on for what is left of
-the deadline (`_connect_by`). A socket it makes too late is closed; at most `MAX_LATE`
-such threads wait on a resolver at once (past that a connect fails at once). A host given
-as an IP address needs no lookup and connects in place.
+the deadline (`_connect_by`). A socket it makes too late is closed; while `MAX_LATE`
+such threads wait on a resolver past their deadline, a new connect fails at once. A host
+given as an IP address needs no lookup and connects in place.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _local = threading.local()
-MAX_LATE = 8  # connect threads past their deadline, still waiting on a resolver, at most
+MAX_LATE = 8  # connect threads past their deadline on a resolver before new ones fail
 _LATE = "storage-connect (late)"  # the name such a thread takes
 
 
